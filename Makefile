@@ -1,0 +1,27 @@
+# make setup: .venv with a Python >= 3.12 found on this machine (tools/find_python.sh), project + dev extras.
+# make test:  setup when needed, then the whole suite.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: setup test oracle-fixtures clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@interp=$$(PYTHON="$(PYTHON)" sh tools/find_python.sh) || exit 1; \
+	echo "creating $(VENV) with $$interp"; \
+	"$$interp" -m venv $(VENV) && \
+	$(PY) -m pip install -q --upgrade pip && \
+	$(PY) -m pip install -q -e '.[dev]' && touch $@
+
+test: $(STAMP)
+	$(PY) -m pytest -q -n 2 --dist loadfile
+
+# Regenerate the HF-oracle fixtures; needs a Python with torch 2.13 + transformers 5.24 (see tests/oracle/README.md).
+ORACLE_PYTHON ?= .oracle-venv/bin/python
+oracle-fixtures:
+	$(ORACLE_PYTHON) tests/oracle/make_fixtures.py
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,123 @@
+"""The public entry points: `load` a release checkpoint (or build a random model) into a `Model`.
+
+The model is built abstractly (`nnx.eval_shape`, nothing allocated), then its parameters are filled from
+the checkpoint one tensor at a time. `Model.logits` calls one `jax.jit` function over the flattened
+parameter leaves (the graph definition is static), so repeated calls pay no NNX dispatch cost.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsv41 import checkpoint
+from dsv41.config import ModelConfig, load_config
+from dsv41.init import random_params
+from dsv41.layers.engram import EngramLayout, build_compressed_token_map
+from dsv41.model import Transformer, forward
+from dsv41.safetensors_io import CheckpointError, open_checkpoint
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def abstract_params(c: ModelConfig, dtype=jnp.float32, engram_fp8: bool = False
+                    ) -> tuple[nnx.GraphDef, dict[tuple, jax.ShapeDtypeStruct]]:
+    """Graph definition and {path: ShapeDtypeStruct} of every parameter, without allocating."""
+    abstract = nnx.eval_shape(lambda: Transformer(c, dtype=dtype, engram_fp8=engram_fp8))
+    graphdef, state = nnx.split(abstract)
+    flat = {tuple(k): v.get_value() for k, v in nnx.to_flat_state(state)}
+    return graphdef, flat
+
+
+def _forward_leaves(graphdef, treedef, leaves, ids, hashes, *, fake_quant: bool):
+    module = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    return forward(module, ids, hashes, fake_quant=fake_quant)
+
+
+class Model:
+    """A loaded model: `config`, `params` ({path: array}), `logits(input_ids)`."""
+
+    def __init__(self, config: ModelConfig, params: dict[tuple, jax.Array], *, dtype=jnp.float32,
+                 token_map: np.ndarray | None = None):
+        self.config, self.dtype = config, jnp.dtype(dtype)
+        engram_fp8 = any(p[-2:] == ("embed", "scale") for p in params)
+        graphdef, abstract = abstract_params(config, dtype, engram_fp8)
+        missing = set(abstract) - set(params)
+        if missing:
+            raise CheckpointError(f"no value for parameter {'.'.join(map(str, sorted(missing, key=str)[0]))}")
+        for path, spec in abstract.items():
+            if tuple(params[path].shape) != tuple(spec.shape) or params[path].dtype != spec.dtype:
+                raise CheckpointError(f"parameter {'.'.join(map(str, path))}: {params[path].dtype}"
+                                      f"{list(params[path].shape)}, expected {spec.dtype}{list(spec.shape)}")
+        self.params = {p: jnp.asarray(params[p]) for p in abstract}
+        self._paths = list(abstract)
+        state = nnx.from_flat_state([(p, nnx.Param(self.params[p])) for p in self._paths])
+        self.module = nnx.merge(graphdef, state)
+        leaves, treedef = jax.tree.flatten(nnx.split(self.module)[1])
+        self._leaves = leaves
+        self._fn = jax.jit(functools.partial(_forward_leaves, graphdef, treedef), static_argnames=("fake_quant",))
+        self.engram = EngramLayout.from_config(config) if config.engram_layer_ids else None
+        if self.engram is not None:
+            if token_map is None:
+                if config.vocab_size > config.engram_compressed_vocab_size:
+                    raise CheckpointError(
+                        "Engram needs the checkpoint's tokenizer.json to build the compressed token map "
+                        f"(vocab_size {config.vocab_size} > engram_compressed_vocab_size "
+                        f"{config.engram_compressed_vocab_size})")
+                token_map = np.arange(config.vocab_size)
+            self.token_map = np.asarray(token_map, np.int64)
+        else:
+            self.token_map = None
+
+    def engram_hashes(self, ids_T: np.ndarray) -> np.ndarray | None:
+        return None if self.engram is None else self.engram.hash_ids(ids_T, self.token_map)
+
+    def logits(self, input_ids, *, fake_quant: bool = False) -> np.ndarray:
+        """Exact full-sequence logits: [T] ids -> [T, vocab] float32 ([B, T] -> [B, T, vocab])."""
+        ids = np.asarray(input_ids)
+        if ids.ndim not in (1, 2) or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"input_ids must be integer [T] or [B, T], got {ids.dtype}{list(ids.shape)}")
+        if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
+            raise ValueError(f"input_ids must lie in [0, {self.config.vocab_size}), got {ids.min()}..{ids.max()}")
+        if ids.shape[-1] == 0:
+            raise ValueError("input_ids is empty")
+        if fake_quant and self.config.family != "v41":
+            raise ValueError("fake_quant models the V4.1 reference's activation formats; this is a V4 model")
+        if ids.ndim == 2:
+            return np.stack([self.logits(row, fake_quant=fake_quant) for row in ids])
+        h = self.engram_hashes(ids)
+        out = self._fn(self._leaves, jnp.asarray(ids, jnp.int32), None if h is None else jnp.asarray(h),
+                       fake_quant=fake_quant)
+        return np.asarray(out)
+
+
+def load(path: str | Path, dtype: str | jnp.dtype = "float32") -> Model:
+    """A release checkpoint folder (config.json + safetensors) -> Model in the compute dtype."""
+    dt = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    folder = Path(path)
+    config = load_config(folder)
+    entries = open_checkpoint(folder)
+    engram_fp8 = any(name.endswith("engram.embed.scale") for name in entries)
+    _, abstract = abstract_params(config, dt, engram_fp8)
+    params, _ = checkpoint.load_params(folder, config, abstract)
+    token_map = None
+    if config.engram_layer_ids and (folder / "tokenizer.json").exists():
+        token_map, size = build_compressed_token_map(folder / "tokenizer.json", config.vocab_size)
+        if size != config.engram_compressed_vocab_size:
+            raise CheckpointError(f"tokenizer.json gives {size} compressed Engram ids but "
+                                  f"engram_compressed_vocab_size is {config.engram_compressed_vocab_size}")
+    return Model(config, params, dtype=dt, token_map=token_map)
+
+
+def random_model(config: ModelConfig | str, seed: int = 0, dtype: str | jnp.dtype = "float32",
+                 engram_fp8: bool = False) -> Model:
+    """A model with deterministic random weights (host-drawn), e.g. `random_model("tiny")`."""
+    c = load_config(config) if isinstance(config, str) else config
+    dt = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    _, abstract = abstract_params(c, dt, engram_fp8)
+    return Model(c, random_params(c, abstract, seed), dtype=dt)

@@ -1,0 +1,208 @@
+"""Release checkpoint layout <-> model parameters (spec §6).
+
+Every tensor of a checkpoint is classified: a model parameter (possibly one expert of a stacked [E, ...]
+parameter), the `.scale` companion of an FP8 / MXFP4 weight, or a tensor a text-only model skips on
+purpose (vision tower, image embeddings, `gate.bias_vl`, V4's classic MTP, DSpark stages when
+`num_nextn_predict_layers` is 0). Anything else is an error naming the tensor, as is a missing one.
+Weights are dequantized to the compute dtype on the host one tensor at a time; the Engram table stays FP8.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from dsv41 import quant
+from dsv41.config import ModelConfig
+from dsv41.safetensors_io import CheckpointError, TensorEntry, open_checkpoint, write_checkpoint
+
+Path_ = tuple  # a parameter path in the NNX state, e.g. ("layers", 3, "attn", "wq_a", "weight")
+
+# Linears stored as FP8 with UE8M0 block scales in the release (the rest is BF16 / F32).
+_FP8_LINEARS = re.compile(r"(\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|\.engram\.wkv|"
+                          r"\.ffn\.shared_experts\.w[123]|^mtp\.0\.main_proj)\.weight$")
+_F32_TENSORS = re.compile(r"(hc_(attn|ffn|head)_(fn|base|scale)|\.attn_sink|\.gate\.bias|\.ape|"
+                          r"confidence_head\.proj\.weight)$")
+_TEXT_ONLY_SKIPS = re.compile(r"^(vision\.|aligner\.|image_(start|end|newline))|\.ffn\.gate\.bias_vl$")
+_EXPERT = re.compile(r"^(.*)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")
+
+
+@dataclass(frozen=True)
+class Target:
+    path: Path_
+    expert: int | None = None  # index into a stacked [E, ...] parameter
+
+
+def _block_names(prefix: str, rest: Path_, n_experts: int) -> list[tuple[str, Target]]:
+    if rest[0] in ("hc_attn", "hc_ffn"):
+        return [(f"{prefix}{rest[0]}_{rest[1]}", None)]
+    if rest[:2] == ("ffn", "experts"):
+        return [(f"{prefix}ffn.experts.{e}.{rest[2]}.weight", e) for e in range(n_experts)]
+    return [(prefix + ".".join(str(p) for p in rest), None)]
+
+
+def release_names(c: ModelConfig, paths: list[Path_]) -> dict[str, Target]:
+    """Release tensor name -> parameter target, for every parameter path of the model."""
+    last = c.num_nextn_predict_layers - 1
+    dspark_heads = {"main_proj": "mtp.0.main_proj.weight", "main_norm": "mtp.0.main_norm.weight",
+                    "norm": f"mtp.{last}.norm.weight", "markov_embed": f"mtp.{last}.markov_head.embed.weight",
+                    "markov_head": f"mtp.{last}.markov_head.head.weight",
+                    "confidence": f"mtp.{last}.confidence_head.proj.weight"}
+    out: dict[str, Target] = {}
+    for path in paths:
+        head = path[0]
+        if head == "layers":
+            names = _block_names(f"layers.{path[1]}.", path[2:], c.n_routed_experts)
+        elif head == "dspark" and path[1] == "blocks":
+            names = _block_names(f"mtp.{path[2]}.", path[3:], c.dspark_n_routed_experts)
+        elif head == "dspark":
+            names = [(dspark_heads[path[1]], None)]
+        elif head == "hc_head":
+            names = [(f"hc_head_{path[1]}", None)]
+        else:
+            names = [(".".join(str(p) for p in path), None)]
+        for name, expert in names:
+            out[name] = Target(path, expert)
+    return out
+
+
+def _skip_reason(name: str, c: ModelConfig) -> str | None:
+    if _TEXT_ONLY_SKIPS.search(name):
+        return "vision / image tensor (text-only model)"
+    if name.startswith("mtp."):
+        if c.family == "v4":
+            return "V4 multi-token-prediction layer (not implemented)"
+        if c.num_nextn_predict_layers == 0:
+            return "DSpark stage, num_nextn_predict_layers is 0"
+    return None
+
+
+def _weight_block(c: ModelConfig, name: str, w_shape: tuple, s_shape: tuple) -> tuple[int, int]:
+    wbs = (c.quantization or {}).get("weight_block_size")
+    candidates = [tuple(wbs)] if wbs else [(32, 32), (128, 128), (64, 64)]
+    for b in candidates:
+        if s_shape == (-(-w_shape[0] // b[0]), -(-w_shape[1] // b[1])):
+            return b
+    raise CheckpointError(f"tensor {name}.scale has shape {list(s_shape)}, which matches no FP8 block size "
+                          f"{candidates} for weight shape {list(w_shape)}")
+
+
+def decode_tensor(c: ModelConfig, name: str, entry: TensorEntry, entries: dict[str, TensorEntry],
+                  target_dtype: np.dtype) -> np.ndarray:
+    """A checkpoint tensor as a NumPy array of `target_dtype` (dequantizing FP8 / MXFP4 weights)."""
+    raw = entry.read()
+    keep_raw = target_dtype in (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.uint8))
+    if entry.dtype in ("F8_E4M3", "I8") and not keep_raw:
+        scale_name = name[: -len(".weight")] + ".scale" if name.endswith(".weight") else name + ".scale"
+        if scale_name not in entries:
+            raise CheckpointError(f"tensor {name} is {entry.dtype} but the checkpoint has no {scale_name}")
+        scale = entries[scale_name].read()
+        if entry.dtype == "I8":
+            return quant.dequantize_mxfp4(np.asarray(raw), np.asarray(scale)).astype(target_dtype)
+        block = _weight_block(c, name, entry.shape, tuple(scale.shape))
+        return quant.dequantize_fp8_blocks(np.asarray(raw), np.asarray(scale), block).astype(target_dtype)
+    if keep_raw and entry.dtype not in ("F8_E4M3", "F8_E8M0", "U8"):
+        raise CheckpointError(f"tensor {name} must be FP8 with UE8M0 scales here, got {entry.dtype}")
+    if np.issubdtype(target_dtype, np.integer) and entry.dtype not in ("I64", "I32", "I16", "I8", "U8"):
+        raise CheckpointError(f"tensor {name} must be an integer tensor, got {entry.dtype}")
+    return np.asarray(raw).astype(target_dtype)
+
+
+def classify(c: ModelConfig, entries: dict[str, TensorEntry], targets: dict[str, Target]
+             ) -> tuple[dict[str, Target], dict[str, str]]:
+    """Split checkpoint names into parameters and skipped tensors (with reasons); raise on unknown/missing."""
+    params: dict[str, Target] = {}
+    skipped: dict[str, str] = {}
+    for name in sorted(entries):
+        if name in targets:
+            params[name] = targets[name]
+        elif (reason := _skip_reason(name, c)) is not None:
+            skipped[name] = reason
+        elif name.endswith(".scale") and entries.get(name[: -len(".scale")] + ".weight") is not None \
+                and entries[name[: -len(".scale")] + ".weight"].dtype in ("F8_E4M3", "I8"):
+            skipped[name] = "scale of " + name[: -len(".scale")] + ".weight"
+        else:
+            raise CheckpointError(f"unknown tensor {name} ({entries[name].dtype} {list(entries[name].shape)}) "
+                                  f"for this {c.family} config")
+    missing = sorted(set(targets) - set(params))
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"checkpoint is missing tensor {missing[0]}{more}")
+    return params, skipped
+
+
+def load_params(folder: str | Path, c: ModelConfig, abstract: dict[Path_, jax.ShapeDtypeStruct]
+                ) -> tuple[dict[Path_, jax.Array], dict[str, str]]:
+    """Read every parameter of the abstract state from a release checkpoint; returns device arrays."""
+    entries = open_checkpoint(folder)
+    targets = release_names(c, list(abstract))
+    params, skipped = classify(c, entries, targets)
+    by_path: dict[Path_, list[tuple[str, Target]]] = {}
+    for name, t in params.items():
+        by_path.setdefault(t.path, []).append((name, t))
+    out = {}
+    for path, items in by_path.items():
+        spec = abstract[path]
+        host = np.empty(spec.shape, spec.dtype) if items[0][1].expert is not None else None
+        for name, t in items:
+            a = decode_tensor(c, name, entries[name], entries, np.dtype(spec.dtype))
+            want = spec.shape[1:] if t.expert is not None else spec.shape
+            if a.shape != tuple(want):
+                raise CheckpointError(f"tensor {name} has shape {list(a.shape)}, the config needs {list(want)}")
+            if t.expert is not None:
+                host[t.expert] = a
+            else:
+                host = a
+        out[path] = jnp.asarray(host)
+    return out, skipped
+
+
+def export_tensors(c: ModelConfig, params: dict[Path_, np.ndarray], *, quantize: bool
+                   ) -> tuple[dict[str, np.ndarray], set[str]]:
+    """Parameters -> release tensors. `quantize` writes the release formats (FP8 block linears, MXFP4
+    experts, FP8 Engram rows, BF16 elsewhere, F32 for mHC/sinks/biases); otherwise each parameter in its
+    own dtype with no scales. Returns (tensors, names of UE8M0 scale tensors)."""
+    block = tuple((c.quantization or {}).get("weight_block_size", (32, 32) if c.family == "v41" else (128, 128)))
+    tensors: dict[str, np.ndarray] = {}
+    e8m0: set[str] = set()
+    for name, t in release_names(c, list(params)).items():
+        a = np.asarray(params[t.path])
+        a = a[t.expert] if t.expert is not None else a
+        if np.issubdtype(a.dtype, np.integer) or a.dtype == ml_dtypes.float8_e4m3fn:
+            if name.endswith("embed.scale"):
+                e8m0.add(name)
+            tensors[name] = a
+        elif not quantize:
+            tensors[name] = a
+        elif t.expert is not None:
+            tensors[name], tensors[name[:-7] + ".scale"] = quant.quantize_mxfp4(a.astype(np.float32))
+            e8m0.add(name[:-7] + ".scale")
+        elif _FP8_LINEARS.search(name):
+            tensors[name], tensors[name[:-7] + ".scale"] = quant.quantize_fp8_blocks(a.astype(np.float32), block)
+            e8m0.add(name[:-7] + ".scale")
+        elif name.endswith("engram.embed.weight"):
+            tensors[name], tensors[name[:-7] + ".scale"] = quant.quantize_fp8_blocks(a.astype(np.float32), (1, 32))
+            e8m0.add(name[:-7] + ".scale")
+        elif _F32_TENSORS.search(name):
+            tensors[name] = a.astype(np.float32)
+        else:
+            tensors[name] = a.astype(ml_dtypes.bfloat16)
+    return tensors, e8m0
+
+
+def save_checkpoint(folder: str | Path, c: ModelConfig, params: dict[Path_, np.ndarray], *, quantize: bool,
+                    shard_bytes: int | None = None) -> None:
+    """Write config.json and the release safetensors layout for `params` (NNX state paths -> arrays)."""
+    import json
+
+    folder = Path(folder)
+    tensors, e8m0 = export_tensors(c, params, quantize=quantize)
+    write_checkpoint(folder, tensors, e8m0, shard_bytes)
+    cfg = c if quantize else c.replace(quantization=None)
+    (folder / "config.json").write_text(json.dumps(cfg.to_release_dict(), indent=1))

@@ -1,0 +1,77 @@
+"""KV compressors (spec §2.6): hidden states -> one global KV row per `ratio` tokens.
+
+V4.1 (`Compressor`, KV-source layers only): ratio 1 = RMSNorm(wkv x) per token; ratio 2 = per-channel
+softmax gate over the two tokens of a group, then RMSNorm. Row j covers tokens [j*r, j*r + r - 1] and is
+rotated at position j*r; a group is usable once its last token is processed (an odd-length prefix leaves
+an open group, which has no row yet).
+V4 (`V4Compressor`, compat mode): ratio 4 with two overlapping series (Ca of window w-1 and Cb of window w
+pooled over 2r slots) and ratio 128 without overlap, both with a learned `ape` added to the gate.
+
+All pooling math is float32 (the release keeps wkv/wgate in BF16 and projects to fp32).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsv41.layers.basic import Linear, RMSNorm
+
+
+class Compressor(nnx.Module):
+    """V4.1: wkv [d, D], wgate [d, D] (ratio 2 only), norm [d]."""
+
+    def __init__(self, dim: int, head_dim: int, ratio: int, eps: float, *, dtype: jnp.dtype):
+        if ratio not in (1, 2):
+            raise ValueError(f"V4.1 compressors have ratio 1 or 2, got {ratio}")
+        self.ratio = ratio
+        self.wkv = Linear(dim, head_dim, dtype=dtype)
+        self.wgate = Linear(dim, head_dim, dtype=dtype) if ratio == 2 else None
+        self.norm = RMSNorm(head_dim, eps, dtype=dtype)
+
+    def project(self, x_TD: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        """Per-token float32 kv [T, d] and gate logits [T, d] (None for ratio 1)."""
+        kv = self.wkv(x_TD, jnp.float32)
+        gate = self.wgate(x_TD, jnp.float32) if self.wgate is not None else None
+        return kv, gate
+
+    def pool(self, kv_Td: jax.Array, gate_Td: jax.Array | None) -> jax.Array:
+        """Closed groups of a sequence starting at position 0: [T // ratio, d] float32."""
+        if self.ratio == 1:
+            return kv_Td
+        n = kv_Td.shape[0] // 2
+        kv = kv_Td[: 2 * n].reshape(n, 2, -1)
+        w = jax.nn.softmax(gate_Td[: 2 * n].reshape(n, 2, -1), axis=1)
+        return jnp.sum(w * kv, axis=1)
+
+    def __call__(self, x_TD: jax.Array) -> jax.Array:
+        """Pre-RoPE latent rows [T // ratio, d] in the compute dtype."""
+        return self.norm(self.pool(*self.project(x_TD)), x_TD.dtype)
+
+
+class V4Compressor(nnx.Module):
+    """V4 compat: wkv/wgate [k*d, D], ape [ratio, k*d] (float32), norm [d]; k = 2 with overlap (ratio 4)."""
+
+    def __init__(self, dim: int, head_dim: int, ratio: int, overlap: bool, eps: float, *, dtype: jnp.dtype):
+        k = 2 if overlap else 1
+        self.ratio, self.overlap, self.head_dim = ratio, overlap, head_dim
+        self.wkv = Linear(dim, k * head_dim, dtype=dtype)
+        self.wgate = Linear(dim, k * head_dim, dtype=dtype)
+        self.ape = nnx.Param(jnp.zeros((ratio, k * head_dim), jnp.float32))
+        self.norm = RMSNorm(head_dim, eps, dtype=dtype)
+
+    def __call__(self, x_TD: jax.Array) -> jax.Array:
+        r, d = self.ratio, self.head_dim
+        n = x_TD.shape[0] // r
+        kv = self.wkv(x_TD[: n * r], jnp.float32).reshape(n, r, -1)
+        gate = self.wgate(x_TD[: n * r], jnp.float32).reshape(n, r, -1) + self.ape[...]
+        if self.overlap:
+            # Row w pools window w-1's first series (Ca) and window w's second series (Cb) over 2r slots;
+            # window 0 has no predecessor: its Ca slots get gate -inf (softmax weight 0).
+            prev_kv = jnp.concatenate([jnp.zeros_like(kv[:1, :, :d]), kv[:-1, :, :d]], axis=0)
+            prev_gate = jnp.concatenate([jnp.full_like(gate[:1, :, :d], -jnp.inf), gate[:-1, :, :d]], axis=0)
+            kv = jnp.concatenate([prev_kv, kv[:, :, d:]], axis=1)
+            gate = jnp.concatenate([prev_gate, gate[:, :, d:]], axis=1)
+        pooled = jnp.sum(jax.nn.softmax(gate, axis=1) * kv, axis=1)
+        return self.norm(pooled, x_TD.dtype)

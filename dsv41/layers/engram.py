@@ -1,0 +1,200 @@
+"""Engram (spec §2.10): an n-gram memory written into every residual stream of layers 1 and 14.
+
+Host side (NumPy, int64): every token id maps to a compressed id (normalized text); the 2..max-gram
+ending at each position are hashed (rolling XOR of compressed id x per-layer odd multiplier) into
+prime-sized bucket ranges, `n_heads` per n-gram order, giving `(max_ngram - 1) * n_heads` row ids.
+Device side (`Engram`): look the rows up in the FP8 table (1x32 UE8M0 scales), project them with `wkv`
+to one key per stream plus a shared value, and add the value to each stream through a signed-sqrt
+sigmoid gate that compares the stream with its key.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsv41.layers.basic import Linear
+
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+# ================================================================================ layout
+def _is_prime(n: int) -> bool:
+    """Deterministic Miller-Rabin for n < 3.3e24 (bases are the first 13 primes)."""
+    if n < 2:
+        return False
+    small = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41)
+    for p in small:
+        if n % p == 0:
+            return n == p
+    d, s = n - 1, 0
+    while d % 2 == 0:
+        d, s = d // 2, s + 1
+    for a in small:
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(s - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+@functools.cache
+def engram_primes(n_layers: int, max_ngram: int, n_heads: int, vocab: int) -> tuple[tuple[int, ...], ...]:
+    """Per Engram layer, its (max_ngram - 1) * n_heads bucket sizes, n-gram order major.
+
+    For each layer and n-gram order, start at vocab - 1 and take the next n_heads primes that were never
+    used before (across all layers); the release's table sizes are the per-layer sums.
+    """
+    seen: set[int] = set()
+    layers = []
+    for _ in range(n_layers):
+        sizes = []
+        for _ in range(max_ngram - 1):
+            current = vocab - 1
+            for _ in range(n_heads):
+                current += 1
+                while not _is_prime(current) or current in seen:
+                    current += 1
+                seen.add(current)
+                sizes.append(current)
+        layers.append(tuple(sizes))
+    return tuple(layers)
+
+
+def hash_multipliers(layer_ids: tuple[int, ...], max_ngram: int, compressed_vocab: int) -> np.ndarray:
+    """[n_layers, max_ngram] odd int64 multipliers from numpy's default_rng(10007 * layer_id)."""
+    bound = max(1, (_INT64_MAX // compressed_vocab) // 2)
+    rows = [np.random.default_rng(10007 * lid).integers(0, bound, size=max_ngram, dtype=np.int64) * 2 + 1
+            for lid in layer_ids]
+    return np.stack(rows).astype(np.int64)
+
+
+class EngramLayout:
+    """Primes, offsets and multipliers of a config's Engram layers (host side)."""
+
+    def __init__(self, layer_ids: tuple[int, ...], max_ngram: int, n_heads: int, vocab: int,
+                 compressed_vocab: int, pad_token_id: int):
+        self.layer_ids, self.max_ngram, self.n_heads = layer_ids, max_ngram, n_heads
+        self.primes = np.asarray(engram_primes(len(layer_ids), max_ngram, n_heads, vocab), np.int64)
+        self.offsets = np.concatenate([np.zeros((len(layer_ids), 1), np.int64),
+                                       np.cumsum(self.primes, axis=1)[:, :-1]], axis=1)
+        self.rows = self.primes.sum(axis=1)
+        self.multipliers = hash_multipliers(layer_ids, max_ngram, compressed_vocab)
+        self.pad_token_id = pad_token_id
+
+    @classmethod
+    def from_config(cls, c) -> EngramLayout:
+        return cls(c.engram_layer_ids, c.engram_max_ngram_size, c.engram_n_heads, c.engram_vocab_size,
+                   c.engram_compressed_vocab_size, c.engram_pad_token_id)
+
+    def hash_ids(self, token_ids: np.ndarray, token_map: np.ndarray, start: int = 0) -> np.ndarray:
+        """Table row ids [T - start, n_layers, (max_ngram - 1) * n_heads] (int32) for positions start..T-1
+        of the sequence `token_ids` (positions 0..T-1). Look-back past position 0 is padded."""
+        ids = np.asarray(token_ids, np.int64)
+        comp = np.asarray(token_map, np.int64)[ids]
+        pad = np.int64(token_map[self.pad_token_id])
+        pos = np.arange(start, len(ids))
+        out = np.empty((len(pos), len(self.layer_ids), (self.max_ngram - 1) * self.n_heads), np.int64)
+        for li in range(len(self.layer_ids)):
+            rolling = np.zeros(len(pos), np.int64)
+            blocked = np.zeros(len(pos), bool)
+            for s in range(self.max_ngram):
+                src = pos - s
+                blocked |= src < 0
+                v = np.where(blocked, pad, comp[np.maximum(src, 0)])
+                rolling ^= v * self.multipliers[li, s]  # cannot overflow: bound chosen from the vocab
+                if s >= 1:
+                    cols = slice((s - 1) * self.n_heads, s * self.n_heads)
+                    out[:, li, cols] = rolling[:, None] % self.primes[li, cols] + self.offsets[li, cols]
+        return out.astype(np.int32)
+
+
+# ==================================================================== compressed token map
+def _normalizer():
+    """NFKC -> NFD -> strip accents -> lowercase -> collapse [ \t\r\n]+ -> strip, a lone space kept."""
+    from tokenizers import Regex, normalizers
+
+    lone_space = "\ue000"  # private-use stand-in so Strip() keeps a token that is exactly one space
+    return normalizers.Sequence([
+        normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(), normalizers.Lowercase(),
+        normalizers.Replace(Regex(r"[ \t\r\n]+"), " "), normalizers.Replace(Regex(r"^ $"), lone_space),
+        normalizers.Strip(), normalizers.Replace(lone_space, " "),
+    ])
+
+
+def build_compressed_token_map(tokenizer_json: str | Path, vocab_size: int) -> tuple[np.ndarray, int]:
+    """Map [vocab_size] token id -> compressed id (first-seen order of the normalized text) and its size.
+
+    Partial UTF-8 byte tokens (decode to U+FFFD) are keyed by their raw token string. Ids past the
+    tokenizer's own vocabulary (padding rows of the embedding) map to the compressed pad id.
+    """
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    normalizer = _normalizer()
+    n = tok.get_vocab_size(with_added_tokens=True)
+    key_to_new: dict[str, int] = {}
+    lookup = np.zeros(max(n, vocab_size), np.int64)
+    for token_id in range(n):
+        text = tok.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" in text:
+            key = tok.id_to_token(token_id) or text
+        else:
+            key = normalizer.normalize_str(text) or text
+        lookup[token_id] = key_to_new.setdefault(key, len(key_to_new))
+    size = len(key_to_new)
+    if vocab_size > n:
+        lookup[n:] = lookup[min(2, n - 1)]
+    return lookup[:vocab_size], size
+
+
+# ================================================================================ module
+class EngramTable(nnx.Module):
+    """engram.embed.weight [rows, hd] (float8_e4m3fn, or the compute dtype for unquantized checkpoints)
+    and engram.embed.scale [rows, hd/32] (UE8M0 exponent bytes; None when unquantized)."""
+
+    def __init__(self, rows: int, head_dim: int, *, fp8: bool, dtype: jnp.dtype):
+        self.weight = nnx.Param(jnp.zeros((rows, head_dim), jnp.float8_e4m3fn if fp8 else dtype))
+        self.scale = nnx.Param(jnp.zeros((rows, head_dim // 32), jnp.uint8)) if fp8 else None
+
+    def __call__(self, ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
+        rows = jnp.take(self.weight[...], ids, axis=0).astype(jnp.float32)
+        if self.scale is not None:
+            s = jnp.take(self.scale[...], ids, axis=0).astype(jnp.int32) - 127
+            rows = (rows.reshape(*rows.shape[:-1], -1, 32) * jnp.ldexp(1.0, s)[..., None]).reshape(rows.shape)
+        return rows.astype(dtype)
+
+
+class Engram(nnx.Module):
+    """embed (table), wkv [(n+1)*D, cols*hd], q_weight, k_weight [n, D]."""
+
+    def __init__(self, *, rows: int, n_cols: int, head_dim: int, hc_mult: int, dim: int, eps: float,
+                 table_fp8: bool, dtype: jnp.dtype):
+        self.hc_mult, self.dim, self.eps = hc_mult, dim, eps
+        self.embed = EngramTable(rows, head_dim, fp8=table_fp8, dtype=dtype)
+        self.wkv = Linear(n_cols * head_dim, (hc_mult + 1) * dim, dtype=dtype)
+        self.q_weight = nnx.Param(jnp.ones((hc_mult, dim), dtype))
+        self.k_weight = nnx.Param(jnp.ones((hc_mult, dim), dtype))
+
+    def __call__(self, R_TnD: jax.Array, hash_ids_TC: jax.Array) -> jax.Array:
+        T, n, D = R_TnD.shape
+        rows = self.embed(hash_ids_TC, R_TnD.dtype).reshape(T, -1)
+        kv = self.wkv(rows, jnp.float32).reshape(T, n + 1, D)
+        keys, value = kv[:, :n], kv[:, n]
+        h = R_TnD.astype(jnp.float32)
+        qk = self.q_weight[...].astype(jnp.float32) * self.k_weight[...].astype(jnp.float32)
+        dot = jnp.sum(h * qk * keys, axis=-1)
+        dot = dot * jax.lax.rsqrt(jnp.mean(h * h, -1) + self.eps) * jax.lax.rsqrt(jnp.mean(keys * keys, -1) + self.eps)
+        dot = dot / np.sqrt(D)
+        gate = jax.nn.sigmoid(jnp.where(dot < 0, -1.0, 1.0) * jnp.sqrt(jnp.maximum(jnp.abs(dot), 1e-6)))
+        return (h + gate[..., None] * value[:, None, :]).astype(R_TnD.dtype)

@@ -1,0 +1,100 @@
+"""MoE FFN (spec §2.8): sqrt(softplus) router, bias used only for selection, renormalized weights x
+routed_scaling_factor, clamped SwiGLU experts, one shared expert. V4 compat: hash-routed layers take
+their experts from `tid2eid[token]` (weights still from the scores).
+
+The reference forward evaluates every expert densely and combines with a [T, E] weight matrix that is
+zero off the selected experts: exact for a model checker, not a serving path (the grouped-matmul kernels
+of `pallas_kernels` are).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsv41.layers.basic import Linear, matmul_precision
+
+
+def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
+    """silu(min(gate, limit)) * clamp(up, -limit, limit), float32."""
+    g = jnp.minimum(gate.astype(jnp.float32), limit)
+    u = jnp.clip(up.astype(jnp.float32), -limit, limit)
+    return jax.nn.silu(g) * u
+
+
+class Router(nnx.Module):
+    """gate.weight [E, D]; gate.bias [E] (float32, selection only) or V4 hash layers' tid2eid [V, k]."""
+
+    def __init__(self, dim: int, n_experts: int, top_k: int, scaling: float, *, hash_vocab: int | None,
+                 dtype: jnp.dtype):
+        self.top_k, self.scaling = top_k, scaling
+        self.weight = nnx.Param(jnp.zeros((n_experts, dim), dtype))
+        if hash_vocab is None:
+            self.bias = nnx.Param(jnp.zeros((n_experts,), jnp.float32))
+            self.tid2eid = None
+        else:
+            self.bias = None
+            self.tid2eid = nnx.Param(jnp.zeros((hash_vocab, top_k), jnp.int32))
+
+    def __call__(self, x_TD: jax.Array, ids_T: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Expert ids [T, k] and combine weights [T, k] (float32)."""
+        w = self.weight[...]
+        logits = jnp.einsum("td,ed->te", x_TD.astype(w.dtype), w, preferred_element_type=jnp.float32,
+                            precision=matmul_precision(w.dtype))
+        scores = jnp.sqrt(jax.nn.softplus(logits))
+        if self.tid2eid is not None:
+            sel = jnp.take(self.tid2eid[...], ids_T, axis=0)
+        else:
+            _, sel = jax.lax.top_k(scores + self.bias[...], self.top_k)
+        weights = jnp.take_along_axis(scores, sel, axis=-1)
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+        return sel, weights * self.scaling
+
+
+class Experts(nnx.Module):
+    """Routed experts stacked: w1, w3 [E, I, D], w2 [E, D, I] (release: ffn.experts.e.w{1,2,3})."""
+
+    def __init__(self, n_experts: int, dim: int, inter: int, limit: float, *, dtype: jnp.dtype):
+        self.limit = limit
+        self.w1 = nnx.Param(jnp.zeros((n_experts, inter, dim), dtype))
+        self.w3 = nnx.Param(jnp.zeros((n_experts, inter, dim), dtype))
+        self.w2 = nnx.Param(jnp.zeros((n_experts, dim, inter), dtype))
+
+    def __call__(self, x_TD: jax.Array, combine_TE: jax.Array) -> jax.Array:
+        w1, w3, w2 = self.w1[...], self.w3[...], self.w2[...]
+        prec = matmul_precision(w1.dtype)
+        x = x_TD.astype(w1.dtype)
+        gate = jnp.einsum("td,eid->tei", x, w1, preferred_element_type=jnp.float32, precision=prec)
+        up = jnp.einsum("td,eid->tei", x, w3, preferred_element_type=jnp.float32, precision=prec)
+        h = (swiglu(gate, up, self.limit) * combine_TE[..., None]).astype(w2.dtype)
+        return jnp.einsum("tei,edi->td", h, w2, preferred_element_type=jnp.float32, precision=prec)
+
+
+class SharedExpert(nnx.Module):
+    """ffn.shared_experts.w1/w3 [I, D], w2 [D, I]."""
+
+    def __init__(self, dim: int, inter: int, limit: float, *, dtype: jnp.dtype):
+        self.limit = limit
+        self.w1 = Linear(dim, inter, dtype=dtype)
+        self.w3 = Linear(dim, inter, dtype=dtype)
+        self.w2 = Linear(inter, dim, dtype=dtype)
+
+    def __call__(self, x_TD: jax.Array) -> jax.Array:
+        h = swiglu(self.w1(x_TD, jnp.float32), self.w3(x_TD, jnp.float32), self.limit)
+        return self.w2(h.astype(x_TD.dtype), jnp.float32)
+
+
+class MoE(nnx.Module):
+    def __init__(self, dim: int, n_experts: int, top_k: int, inter: int, scaling: float, limit: float, *,
+                 hash_vocab: int | None, dtype: jnp.dtype):
+        self.n_experts = n_experts
+        self.gate = Router(dim, n_experts, top_k, scaling, hash_vocab=hash_vocab, dtype=dtype)
+        self.experts = Experts(n_experts, dim, inter, limit, dtype=dtype)
+        self.shared_experts = SharedExpert(dim, inter, limit, dtype=dtype)
+
+    def __call__(self, x_TD: jax.Array, ids_T: jax.Array) -> jax.Array:
+        sel, weights = self.gate(x_TD, ids_T)
+        combine = jnp.sum(jax.nn.one_hot(sel, self.n_experts, dtype=jnp.float32) * weights[..., None], axis=1)
+        y = self.experts(x_TD, combine) + self.shared_experts(x_TD)
+        return y.astype(x_TD.dtype)
