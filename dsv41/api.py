@@ -107,7 +107,8 @@ def load(path: str | Path, dtype: str | jnp.dtype = "float32") -> Model:
     params, _ = checkpoint.load_params(folder, config, abstract)
     token_map = None
     if config.engram_layer_ids and (folder / "tokenizer.json").exists():
-        token_map, size = build_compressed_token_map(folder / "tokenizer.json", config.vocab_size)
+        token_map, size = build_compressed_token_map(folder / "tokenizer.json", config.vocab_size,
+                                                     config.engram_pad_token_id)
         if size != config.engram_compressed_vocab_size:
             raise CheckpointError(f"tokenizer.json gives {size} compressed Engram ids but "
                                   f"engram_compressed_vocab_size is {config.engram_compressed_vocab_size}")

@@ -97,8 +97,13 @@ def decode_tensor(c: ModelConfig, name: str, entry: TensorEntry, entries: dict[s
                   target_dtype: np.dtype) -> np.ndarray:
     """A checkpoint tensor as a NumPy array of `target_dtype` (dequantizing FP8 / MXFP4 weights)."""
     raw = entry.read()
-    keep_raw = target_dtype in (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.uint8))
-    if entry.dtype in ("F8_E4M3", "I8") and not keep_raw:
+    if target_dtype == np.dtype(ml_dtypes.float8_e4m3fn) or target_dtype == np.dtype(np.uint8):
+        # FP8 Engram table kept as stored: e4m3 rows and their UE8M0 exponent bytes.
+        want = ("F8_E4M3",) if target_dtype != np.dtype(np.uint8) else ("F8_E8M0", "U8")
+        if entry.dtype not in want:
+            raise CheckpointError(f"tensor {name} must be {' or '.join(want)}, got {entry.dtype}")
+        return np.asarray(raw)
+    if entry.dtype in ("F8_E4M3", "I8") and not np.issubdtype(target_dtype, np.integer):
         scale_name = name[: -len(".weight")] + ".scale" if name.endswith(".weight") else name + ".scale"
         if scale_name not in entries:
             raise CheckpointError(f"tensor {name} is {entry.dtype} but the checkpoint has no {scale_name}")
@@ -107,10 +112,9 @@ def decode_tensor(c: ModelConfig, name: str, entry: TensorEntry, entries: dict[s
             return quant.dequantize_mxfp4(np.asarray(raw), np.asarray(scale)).astype(target_dtype)
         block = _weight_block(c, name, entry.shape, tuple(scale.shape))
         return quant.dequantize_fp8_blocks(np.asarray(raw), np.asarray(scale), block).astype(target_dtype)
-    if keep_raw and entry.dtype not in ("F8_E4M3", "F8_E8M0", "U8"):
-        raise CheckpointError(f"tensor {name} must be FP8 with UE8M0 scales here, got {entry.dtype}")
-    if np.issubdtype(target_dtype, np.integer) and entry.dtype not in ("I64", "I32", "I16", "I8", "U8"):
-        raise CheckpointError(f"tensor {name} must be an integer tensor, got {entry.dtype}")
+    if np.issubdtype(target_dtype, np.integer) != (entry.dtype in ("I64", "I32", "I16", "I8", "U8")):
+        kind = "an integer" if np.issubdtype(target_dtype, np.integer) else "a floating-point"
+        raise CheckpointError(f"tensor {name} must be {kind} tensor, got {entry.dtype}")
     return np.asarray(raw).astype(target_dtype)
 
 
@@ -119,21 +123,24 @@ def classify(c: ModelConfig, entries: dict[str, TensorEntry], targets: dict[str,
     """Split checkpoint names into parameters and skipped tensors (with reasons); raise on unknown/missing."""
     params: dict[str, Target] = {}
     skipped: dict[str, str] = {}
+    unknown: list[str] = []
     for name in sorted(entries):
+        weight = entries.get(name[: -len(".scale")] + ".weight") if name.endswith(".scale") else None
         if name in targets:
             params[name] = targets[name]
         elif (reason := _skip_reason(name, c)) is not None:
             skipped[name] = reason
-        elif name.endswith(".scale") and entries.get(name[: -len(".scale")] + ".weight") is not None \
-                and entries[name[: -len(".scale")] + ".weight"].dtype in ("F8_E4M3", "I8"):
-            skipped[name] = "scale of " + name[: -len(".scale")] + ".weight"
+        elif weight is not None and weight.dtype in ("F8_E4M3", "I8"):
+            skipped[name] = "scale of " + weight.name
         else:
-            raise CheckpointError(f"unknown tensor {name} ({entries[name].dtype} {list(entries[name].shape)}) "
-                                  f"for this {c.family} config")
+            unknown.append(name)
     missing = sorted(set(targets) - set(params))
-    if missing:
+    if missing:  # reported first: an orphaned `.scale` is a symptom of its missing weight
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"checkpoint is missing tensor {missing[0]}{more}")
+    if unknown:
+        e = entries[unknown[0]]
+        raise CheckpointError(f"unknown tensor {e.name} ({e.dtype} {list(e.shape)}) for this {c.family} config")
     return params, skipped
 
 
@@ -163,12 +170,19 @@ def load_params(folder: str | Path, c: ModelConfig, abstract: dict[Path_, jax.Sh
     return out, skipped
 
 
+def release_quantization(c: ModelConfig) -> dict:
+    """The config's quantization_config, or the release's for its family (FP8 32x32 V4.1, 128x128 V4)."""
+    block = [32, 32] if c.family == "v41" else [128, 128]
+    return c.quantization or {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": block,
+                              "scale_fmt": "ue8m0", "expert_dtype": "fp4"}
+
+
 def export_tensors(c: ModelConfig, params: dict[Path_, np.ndarray], *, quantize: bool
                    ) -> tuple[dict[str, np.ndarray], set[str]]:
     """Parameters -> release tensors. `quantize` writes the release formats (FP8 block linears, MXFP4
     experts, FP8 Engram rows, BF16 elsewhere, F32 for mHC/sinks/biases); otherwise each parameter in its
     own dtype with no scales. Returns (tensors, names of UE8M0 scale tensors)."""
-    block = tuple((c.quantization or {}).get("weight_block_size", (32, 32) if c.family == "v41" else (128, 128)))
+    block = tuple(release_quantization(c)["weight_block_size"])
     tensors: dict[str, np.ndarray] = {}
     e8m0: set[str] = set()
     for name, t in release_names(c, list(params)).items():
@@ -204,5 +218,5 @@ def save_checkpoint(folder: str | Path, c: ModelConfig, params: dict[Path_, np.n
     folder = Path(folder)
     tensors, e8m0 = export_tensors(c, params, quantize=quantize)
     write_checkpoint(folder, tensors, e8m0, shard_bytes)
-    cfg = c if quantize else c.replace(quantization=None)
+    cfg = c.replace(quantization=release_quantization(c) if quantize else None)
     (folder / "config.json").write_text(json.dumps(cfg.to_release_dict(), indent=1))

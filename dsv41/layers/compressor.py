@@ -40,9 +40,9 @@ class Compressor(nnx.Module):
         """Closed groups of a sequence starting at position 0: [T // ratio, d] float32."""
         if self.ratio == 1:
             return kv_Td
-        n = kv_Td.shape[0] // 2
-        kv = kv_Td[: 2 * n].reshape(n, 2, -1)
-        w = jax.nn.softmax(gate_Td[: 2 * n].reshape(n, 2, -1), axis=1)
+        n, d = kv_Td.shape[0] // 2, kv_Td.shape[1]
+        kv = kv_Td[: 2 * n].reshape(n, 2, d)
+        w = jax.nn.softmax(gate_Td[: 2 * n].reshape(n, 2, d), axis=1)
         return jnp.sum(w * kv, axis=1)
 
     def __call__(self, x_TD: jax.Array) -> jax.Array:
@@ -64,8 +64,9 @@ class V4Compressor(nnx.Module):
     def __call__(self, x_TD: jax.Array) -> jax.Array:
         r, d = self.ratio, self.head_dim
         n = x_TD.shape[0] // r
-        kv = self.wkv(x_TD[: n * r], jnp.float32).reshape(n, r, -1)
-        gate = self.wgate(x_TD[: n * r], jnp.float32).reshape(n, r, -1) + self.ape[...]
+        width = self.ape.shape[-1]
+        kv = self.wkv(x_TD[: n * r], jnp.float32).reshape(n, r, width)
+        gate = self.wgate(x_TD[: n * r], jnp.float32).reshape(n, r, width) + self.ape[...]
         if self.overlap:
             # Row w pools window w-1's first series (Ca) and window w's second series (Cb) over 2r slots;
             # window 0 has no predecessor: its Ca slots get gate -inf (softmax weight 0).

@@ -132,11 +132,12 @@ def _normalizer():
     ])
 
 
-def build_compressed_token_map(tokenizer_json: str | Path, vocab_size: int) -> tuple[np.ndarray, int]:
+def build_compressed_token_map(tokenizer_json: str | Path, vocab_size: int, pad_token_id: int
+                               ) -> tuple[np.ndarray, int]:
     """Map [vocab_size] token id -> compressed id (first-seen order of the normalized text) and its size.
 
     Partial UTF-8 byte tokens (decode to U+FFFD) are keyed by their raw token string. Ids past the
-    tokenizer's own vocabulary (padding rows of the embedding) map to the compressed pad id.
+    tokenizer's own vocabulary (padding rows of the embedding) map to the pad token's compressed id.
     """
     from tokenizers import Tokenizer
 
@@ -154,7 +155,7 @@ def build_compressed_token_map(tokenizer_json: str | Path, vocab_size: int) -> t
         lookup[token_id] = key_to_new.setdefault(key, len(key_to_new))
     size = len(key_to_new)
     if vocab_size > n:
-        lookup[n:] = lookup[min(2, n - 1)]
+        lookup[n:] = lookup[pad_token_id]
     return lookup[:vocab_size], size
 
 
