@@ -556,6 +556,7 @@ def yarn_bounds(c: ModelConfig) -> tuple[float, float]:
     d = c.qk_rope_head_dim
 
     def corr(rot: float) -> float:
-        return d * math.log(y.original_max_position_embeddings / (rot * 2 * math.pi)) / (2 * math.log(c.compress_rope_theta))
+        wavelengths = y.original_max_position_embeddings / (rot * 2 * math.pi)
+        return d * math.log(wavelengths) / (2 * math.log(c.compress_rope_theta))
 
     return max(math.floor(corr(y.beta_fast)), 0), min(math.ceil(corr(y.beta_slow)), d - 1)

@@ -72,7 +72,7 @@ def draft_hidden(dspark: DSpark, embed: Embed, block_ids_B: jax.Array, anchor_po
     B = block_ids_B.shape[0]
     positions = anchor_position + jnp.arange(B)
     cos, sin = rope_angles(positions, inv_freq(c, "main"))
-    ctx_visible = ((context_positions_C < anchor_position) & (context_positions_C >= anchor_position - c.sliding_window))
+    ctx_visible = (context_positions_C < anchor_position) & (context_positions_C >= anchor_position - c.sliding_window)
     mask = jnp.concatenate([jnp.broadcast_to(ctx_visible[None, :], (B, ctx_visible.shape[0])),
                             jnp.ones((B, B), jnp.bool_)], axis=1)
     stage = {blk.role.layer_id: i for i, blk in enumerate(dspark.blocks)}

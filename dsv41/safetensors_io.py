@@ -87,7 +87,8 @@ def open_checkpoint(folder: str | Path) -> dict[str, TensorEntry]:
             shard = read_header(folder / file)
             for name in shard:
                 if weight_map.get(name) != file:
-                    raise CheckpointError(f"{folder / file}: tensor {name} is not listed for this shard in {index.name}")
+                    raise CheckpointError(f"{folder / file}: tensor {name} is not listed for this shard "
+                                          f"in {index.name}")
             entries.update(shard)
         missing = sorted(set(weight_map) - set(entries))
         if missing:

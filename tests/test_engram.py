@@ -76,7 +76,8 @@ def test_gated_write_matches_formula():
     from dsv41.quant import dequantize_fp8_blocks, quantize_fp8_blocks
 
     q, s = quantize_fp8_blocks(table, (1, 32))
-    params = {"embed": {"weight": q, "scale": s}, "wkv": {"weight": rng.standard_normal(((n + 1) * D, cols * hd)) * 0.05},
+    params = {"embed": {"weight": q, "scale": s},
+              "wkv": {"weight": rng.standard_normal(((n + 1) * D, cols * hd)) * 0.05},
               "q_weight": 1 + 0.1 * rng.standard_normal((n, D)), "k_weight": 1 + 0.1 * rng.standard_normal((n, D))}
     nnx.update(eng, nnx.State({"embed": {"weight": jnp.asarray(q), "scale": jnp.asarray(s)},
                                "wkv": {"weight": jnp.asarray(params["wkv"]["weight"], jnp.float32)},

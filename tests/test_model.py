@@ -116,3 +116,15 @@ def test_bad_input_ids(tiny):
                      (np.array([[1.5]]), "integer")):
         with pytest.raises(ValueError, match=msg):
             tiny.logits(bad)
+
+
+def test_compiled_forward_keeps_topk_custom_calls(tiny, ids):
+    """XLA turns a sliced top-k into a full sort (jax-notes §6.3): the routers, indexers and candidate
+    selection must compile to TopK, with no sort in the HLO."""
+    import re
+
+    h = tiny.engram_hashes(ids)
+    hlo = tiny._fn.lower(tiny._leaves, jnp.asarray(ids, jnp.int32), jnp.asarray(h), fake_quant=False
+                         ).compile().as_text()
+    assert not re.search(r"\bsort\(", hlo)
+    assert len(re.findall(r"TopK", hlo, flags=re.IGNORECASE)) >= 8 + 3 + 1  # 8 routers, 3 indexers, candidates

@@ -8,7 +8,6 @@ name map is checked by the oracle too.
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -59,22 +58,10 @@ def test_v41_oracle_discriminates_delayed_pre(tmp_path):
     assert err > 100 * TOL
 
 
-def _live_cases(oracle_python):
-    code = ("import json,sys,numpy as np; sys.path.insert(0, '.');"
-            "from tests.oracle.make_fixtures import make_case;"
-            "out={}\n"
-            "for name in sys.argv[1:]:\n"
-            "    cfg, seed, ids, logits = make_case(name)\n"
-            "    np.savez(sys.stdin.readline().strip(), ids=np.asarray(ids), logits=np.asarray(logits), seed=seed,"
-            " config=json.dumps(cfg))\n")
-    return code
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_live_hf_oracle(case, tmp_path, oracle_python):
-    """Recompute the oracle now (all rows): in-process when torch is importable, else --oracle-python."""
-    root = Path(__file__).parent.parent
-    out = tmp_path / "live.npz"
+    """Recompute the oracle now, on every row: in-process when torch is importable, else with the
+    interpreter given by --oracle-python (torch 2.13 + transformers 5.24)."""
     try:
         import torch  # noqa: F401
         from tests.oracle.make_fixtures import make_case
@@ -82,12 +69,15 @@ def test_live_hf_oracle(case, tmp_path, oracle_python):
         config, seed, ids, logits = make_case(case)
     except ImportError:
         if not oracle_python:
-            pytest.skip("torch is not importable here; pass --oracle-python=PYTHON (torch 2.13 + transformers 5.24)")
-        subprocess.run([oracle_python, "-c", _live_cases(oracle_python), case], input=f"{out}\n", text=True,
-                       cwd=root, check=True, timeout=600)
-        z = np.load(out)
-        config, seed, ids, logits = json.loads(str(z["config"])), int(z["seed"]), z["ids"], z["logits"]
+            pytest.skip("torch is not importable here; pass --oracle-python=PYTHON to run the HF oracle live")
+        script = Path(__file__).parent / "oracle" / "make_fixtures.py"
+        subprocess.run([oracle_python, str(script), "--out", str(tmp_path), "--all-rows", case], check=True,
+                       capture_output=True, timeout=600)
+        config = json.loads((tmp_path / case / "config.json").read_text())
+        npz = np.load(tmp_path / case / "expected.npz")
+        seed, ids, logits = int(npz["seed"]), npz["input_ids"], npz["logits"]
     _write_release_checkpoint(tmp_path / "ckpt", config, seed)
     got = dsv41.load(tmp_path / "ckpt").logits(np.asarray(ids))
     err = np.abs(got - np.asarray(logits)).max()
+    print(f"{case} (live, all {len(ids)} rows): max |dsv41 - HF| = {err:.3g}")
     assert err <= TOL, f"{case} (live): max |dsv41 - HF| = {err:.3g}"

@@ -200,12 +200,20 @@ def _report(info: dict, seconds: float) -> None:
 
 
 def main(argv: list[str]) -> None:
-    names = argv or list(CASES)
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Regenerate the HF-oracle fixtures.")
+    ap.add_argument("cases", nargs="*", help=f"cases (default: all of {', '.join(CASES)})")
+    ap.add_argument("--out", type=Path, default=OUT_DIR, help="output folder (default: the committed fixtures)")
+    ap.add_argument("--all-rows", action="store_true", help="store the logits of every position (live tests)")
+    args = ap.parse_args(argv)
     t_all = time.time()
-    for name in names:
+    for name in args.cases or list(CASES):
         t0 = time.time()
         info = run_case(name, verbose=True)
-        d = write_case(info)
+        if args.all_rows:
+            info["rows"] = list(range(info["T"]))
+        d = write_case(info, args.out)
         _report(info, time.time() - t0)
         print(f"  wrote {d} ({sum(f.stat().st_size for f in d.iterdir())} bytes)")
     print(f"total {time.time() - t_all:.1f}s")
