@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsv41 import checkpoint
+from dsv41 import checkpoint, converted
 from dsv41.config import ModelConfig, load_config
 from dsv41.init import random_params
 from dsv41.layers.engram import EngramLayout, build_compressed_token_map
@@ -74,6 +74,11 @@ class Model:
         else:
             self.token_map = None
 
+    def save_converted(self, folder: str | Path) -> None:
+        """Save the loaded parameters with Orbax; `load(folder)` then restores them without dequantizing."""
+        engram_fp8 = any(p[-2:] == ("embed", "scale") for p in self.params)
+        converted.save_converted(folder, self.config, self.params, self.dtype.name, self.token_map, engram_fp8)
+
     def engram_hashes(self, ids_T: np.ndarray) -> np.ndarray | None:
         return None if self.engram is None else self.engram.hash_ids(ids_T, self.token_map)
 
@@ -96,11 +101,19 @@ class Model:
         return np.asarray(out)
 
 
-def load(path: str | Path, dtype: str | jnp.dtype = "float32") -> Model:
-    """A release checkpoint folder (config.json + safetensors) -> Model in the compute dtype."""
-    dt = DTYPES[dtype] if isinstance(dtype, str) else dtype
+def load(path: str | Path, dtype: str | jnp.dtype | None = None) -> Model:
+    """A release checkpoint folder (config.json + safetensors) -> Model in the compute dtype (default
+    float32), or a folder written by `Model.save_converted` (in the dtype it was saved with)."""
     folder = Path(path)
     config = load_config(folder)
+    if converted.is_converted(folder):
+        saved = converted.converted_meta(folder)["dtype"]
+        if dtype is not None and jnp.dtype(DTYPES.get(dtype, dtype)) != jnp.dtype(DTYPES[saved]):
+            raise CheckpointError(f"{folder} was converted to {saved}; load it with dtype={saved!r}")
+        _, abstract = abstract_params(config, DTYPES[saved], converted.converted_meta(folder)["engram_fp8"])
+        params, token_map = converted.load_converted(folder, abstract)
+        return Model(config, params, dtype=DTYPES[saved], token_map=token_map)
+    dt = DTYPES[dtype or "float32"] if isinstance(dtype, (str, type(None))) else dtype
     entries = open_checkpoint(folder)
     engram_fp8 = any(name.endswith("engram.embed.scale") for name in entries)
     _, abstract = abstract_params(config, dt, engram_fp8)

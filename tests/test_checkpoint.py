@@ -127,3 +127,34 @@ def test_config_json_written_is_release_style(quantized_dir):
     raw = json.loads((quantized_dir / "config.json").read_text())
     assert raw["model_type"] == "deepseek_v41" and raw["text_config"]["model_type"] == "deepseek_v41_text"
     assert raw["quantization_config"]["weight_block_size"] == [32, 32]
+
+
+def test_converted_orbax_checkpoint_restores_identical(quantized_dir, tmp_path):
+    m = dsv41.load(quantized_dir, dtype="bfloat16")
+    m.save_converted(tmp_path / "conv")
+    back = dsv41.load(tmp_path / "conv")
+    assert back.dtype == m.dtype and set(back.params) == set(m.params)
+    for p, v in m.params.items():
+        assert back.params[p].dtype == v.dtype and np.array_equal(np.asarray(back.params[p]), np.asarray(v)), p
+    assert back.params[("layers", 1, "engram", "embed", "weight")].dtype == ml_dtypes.float8_e4m3fn
+    with pytest.raises(CheckpointError, match="converted to bfloat16"):
+        dsv41.load(tmp_path / "conv", dtype="float32")
+
+
+def test_v4_quantized_round_trip_uses_128_blocks(tmp_path):
+    from pathlib import Path
+
+    raw = json.loads((Path(__file__).parent / "fixtures/oracle/v4_tiny/config.json").read_text())
+    m = dsv41.random_model(dsv41.ModelConfig.from_release_dict(raw), seed=4)
+    params = {p: np.asarray(v) for p, v in m.params.items()}
+    save_checkpoint(tmp_path, m.config, params, quantize=True)
+    entries = open_checkpoint(tmp_path)
+    assert entries["layers.1.attn.wq_b.scale"].shape == (1, 1)  # [128, 32] weight, 128x128 tiles
+    assert entries["layers.0.ffn.gate.tid2eid"].dtype == "I32" and "layers.0.ffn.gate.bias" not in entries
+    assert entries["layers.1.attn.indexer.compressor.ape"].dtype == "F32" and "hc_head_fn" in entries
+    back = dsv41.load(tmp_path)
+    w = params[("layers", 1, "attn", "wq_b", "weight")]
+    np.testing.assert_array_equal(np.asarray(back.params[("layers", 1, "attn", "wq_b", "weight")]),
+                                  quant.dequantize_fp8_blocks(*quant.quantize_fp8_blocks(w, (128, 128)), (128, 128)))
+    np.testing.assert_array_equal(np.asarray(back.params[("layers", 0, "ffn", "gate", "tid2eid")]),
+                                  params[("layers", 0, "ffn", "gate", "tid2eid")])

@@ -45,6 +45,24 @@ class Compressor(nnx.Module):
         w = jax.nn.softmax(gate_Td[: 2 * n].reshape(n, 2, d), axis=1)
         return jnp.sum(w * kv, axis=1)
 
+    def pool_chunk(self, kv_Td: jax.Array, gate_Td: jax.Array | None, start: int,
+                   tail: tuple[jax.Array, jax.Array] | None) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        """Pool a chunk of positions [start, start + T) given the open-group tail carried from the previous
+        chunk (the raw fp32 kv and gate row of position start - 1 when start is odd, else None).
+
+        Returns the rows of the groups that close inside the chunk, pooled [n, d], and the new tail
+        (None when start + T is even): the state an engine keeps per request for ratio-2 layers.
+        """
+        if self.ratio == 1:
+            return kv_Td, None
+        if start % 2:
+            if tail is None:
+                raise ValueError(f"chunk starts at odd position {start}: the open group's tail is required")
+            kv_Td = jnp.concatenate([tail[0][None], kv_Td])
+            gate_Td = jnp.concatenate([tail[1][None], gate_Td])
+        new_tail = (kv_Td[-1], gate_Td[-1]) if kv_Td.shape[0] % 2 else None
+        return self.pool(kv_Td, gate_Td), new_tail
+
     def __call__(self, x_TD: jax.Array) -> jax.Array:
         """Pre-RoPE latent rows [T // ratio, d] in the compute dtype."""
         return self.norm(self.pool(*self.project(x_TD)), x_TD.dtype)
