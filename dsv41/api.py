@@ -34,6 +34,10 @@ def abstract_params(c: ModelConfig, dtype=jnp.float32, engram_fp8: bool = False
     return graphdef, flat
 
 
+def _has_fp8_engram_table(paths) -> bool:
+    return any(tuple(p)[-2:] == ("embed", "scale") for p in paths)
+
+
 def _forward_leaves(graphdef, treedef, leaves, ids, hashes, *, fake_quant: bool):
     module = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
     return forward(module, ids, hashes, fake_quant=fake_quant)
@@ -45,8 +49,7 @@ class Model:
     def __init__(self, config: ModelConfig, params: dict[tuple, jax.Array], *, dtype=jnp.float32,
                  token_map: np.ndarray | None = None):
         self.config, self.dtype = config, jnp.dtype(dtype)
-        engram_fp8 = any(p[-2:] == ("embed", "scale") for p in params)
-        graphdef, abstract = abstract_params(config, dtype, engram_fp8)
+        graphdef, abstract = abstract_params(config, dtype, _has_fp8_engram_table(params))
         missing = set(abstract) - set(params)
         if missing:
             raise CheckpointError(f"no value for parameter {'.'.join(map(str, sorted(missing, key=str)[0]))}")
@@ -55,8 +58,7 @@ class Model:
                 raise CheckpointError(f"parameter {'.'.join(map(str, path))}: {params[path].dtype}"
                                       f"{list(params[path].shape)}, expected {spec.dtype}{list(spec.shape)}")
         self.params = {p: jnp.asarray(params[p]) for p in abstract}
-        self._paths = list(abstract)
-        state = nnx.from_flat_state([(p, nnx.Param(self.params[p])) for p in self._paths])
+        state = nnx.from_flat_state([(p, nnx.Param(v)) for p, v in self.params.items()])
         self.module = nnx.merge(graphdef, state)
         leaves, treedef = jax.tree.flatten(nnx.split(self.module)[1])
         self._leaves = leaves
@@ -76,8 +78,8 @@ class Model:
 
     def save_converted(self, folder: str | Path) -> None:
         """Save the loaded parameters with Orbax; `load(folder)` then restores them without dequantizing."""
-        engram_fp8 = any(p[-2:] == ("embed", "scale") for p in self.params)
-        converted.save_converted(folder, self.config, self.params, self.dtype.name, self.token_map, engram_fp8)
+        converted.save_converted(folder, self.config, self.params, self.dtype.name, self.token_map,
+                                 _has_fp8_engram_table(self.params))
 
     def engram_hashes(self, ids_T: np.ndarray) -> np.ndarray | None:
         return None if self.engram is None else self.engram.hash_ids(ids_T, self.token_map)
@@ -115,8 +117,7 @@ def load(path: str | Path, dtype: str | jnp.dtype | None = None) -> Model:
         return Model(config, params, dtype=DTYPES[saved], token_map=token_map)
     dt = DTYPES[dtype or "float32"] if isinstance(dtype, (str, type(None))) else dtype
     entries = open_checkpoint(folder)
-    engram_fp8 = any(name.endswith("engram.embed.scale") for name in entries)
-    _, abstract = abstract_params(config, dt, engram_fp8)
+    _, abstract = abstract_params(config, dt, _has_fp8_engram_table(n.split(".") for n in entries))
     params, _ = checkpoint.load_params(folder, config, abstract)
     token_map = None
     if config.engram_layer_ids and (folder / "tokenizer.json").exists():
