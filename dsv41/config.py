@@ -9,6 +9,7 @@ source, Engram layers and the RoPE table of each layer. Every check names the fi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -140,7 +141,7 @@ class ModelConfig:
         """The CED cut: the last KV source (layer 20 of V4.1), whose global KV the decoder layers share."""
         return max(self.kv_source_layer_ids) if self.kv_source_layer_ids else None
 
-    @property
+    @functools.cached_property
     def roles(self) -> tuple[LayerRole, ...]:
         return _roles(self)
 
