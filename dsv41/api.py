@@ -19,7 +19,7 @@ from dsv41 import checkpoint, converted
 from dsv41.config import ModelConfig, load_config
 from dsv41.init import random_params
 from dsv41.layers.engram import EngramLayout, build_compressed_token_map
-from dsv41.model import Transformer, forward
+from dsv41.model import Transformer, forward, published_rows
 from dsv41.safetensors_io import CheckpointError, open_checkpoint
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -38,9 +38,14 @@ def _has_fp8_engram_table(paths) -> bool:
     return any(tuple(p)[-2:] == ("embed", "scale") for p in paths)
 
 
-def _forward_leaves(graphdef, treedef, leaves, ids, hashes, *, fake_quant: bool):
+def _forward_leaves(graphdef, treedef, leaves, ids, hashes, masks=None, *, fake_quant: bool):
     module = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-    return forward(module, ids, hashes, fake_quant=fake_quant)
+    return forward(module, ids, hashes, fake_quant=fake_quant, **(masks or {}))
+
+
+def _published_leaves(graphdef, treedef, leaves, ids, hashes, *, fake_quant: bool):
+    module = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    return published_rows(module, ids, hashes, fake_quant=fake_quant)
 
 
 class Model:
@@ -63,6 +68,8 @@ class Model:
         leaves, treedef = jax.tree.flatten(nnx.split(self.module)[1])
         self._leaves = leaves
         self._fn = jax.jit(functools.partial(_forward_leaves, graphdef, treedef), static_argnames=("fake_quant",))
+        self._published = jax.jit(functools.partial(_published_leaves, graphdef, treedef),
+                                  static_argnames=("fake_quant",))
         self.engram = EngramLayout.from_config(config) if config.engram_layer_ids else None
         if self.engram is not None:
             if token_map is None:
@@ -84,8 +91,7 @@ class Model:
     def engram_hashes(self, ids_T: np.ndarray) -> np.ndarray | None:
         return None if self.engram is None else self.engram.hash_ids(ids_T, self.token_map)
 
-    def logits(self, input_ids, *, fake_quant: bool = False) -> np.ndarray:
-        """Exact full-sequence logits: [T] ids -> [T, vocab] float32 ([B, T] -> [B, T, vocab])."""
+    def _check_ids(self, input_ids) -> np.ndarray:
         ids = np.asarray(input_ids)
         if ids.ndim not in (1, 2) or not np.issubdtype(ids.dtype, np.integer):
             raise ValueError(f"input_ids must be integer [T] or [B, T], got {ids.dtype}{list(ids.shape)}")
@@ -93,6 +99,11 @@ class Model:
             raise ValueError(f"input_ids must lie in [0, {self.config.vocab_size}), got {ids.min()}..{ids.max()}")
         if ids.shape[-1] == 0:
             raise ValueError("input_ids is empty")
+        return ids
+
+    def logits(self, input_ids, *, fake_quant: bool = False) -> np.ndarray:
+        """Exact full-sequence logits: [T] ids -> [T, vocab] float32 ([B, T] -> [B, T, vocab])."""
+        ids = self._check_ids(input_ids)
         if fake_quant and self.config.family != "v41":
             raise ValueError("fake_quant models the V4.1 reference's activation formats; this is a V4 model")
         if ids.ndim == 2:
@@ -101,6 +112,25 @@ class Model:
         out = self._fn(self._leaves, jnp.asarray(ids, jnp.int32), None if h is None else jnp.asarray(h),
                        fake_quant=fake_quant)
         return np.asarray(out)
+
+    def masked_logits(self, input_ids, *, swa_floor=None, decoder_floor=None, frozen=None,
+                      fake_quant: bool = False) -> np.ndarray:
+        """Full-sequence logits [T, vocab] with the bounded-replay masks of `model.forward_hidden`."""
+        ids = self._check_ids(input_ids)
+        masks = {k: v for k, v in (("swa_floor", swa_floor), ("decoder_floor", decoder_floor),
+                                   ("frozen", frozen)) if v is not None}
+        h = self.engram_hashes(ids)
+        out = self._fn(self._leaves, jnp.asarray(ids, jnp.int32), None if h is None else jnp.asarray(h),
+                       jax.tree.map(jnp.asarray, masks), fake_quant=fake_quant)
+        return np.asarray(out)
+
+    def published_rows(self, input_ids, *, fake_quant: bool = False) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """{KV source: (global rows [N, d], index keys [N, ihd])} of a cold pass over `input_ids`."""
+        ids = self._check_ids(input_ids)
+        h = self.engram_hashes(ids)
+        out = self._published(self._leaves, jnp.asarray(ids, jnp.int32), None if h is None else jnp.asarray(h),
+                              fake_quant=fake_quant)
+        return {s: (np.asarray(r), np.asarray(k)) for s, (r, k) in out.items()}
 
 
 def load(path: str | Path, dtype: str | jnp.dtype | None = None) -> Model:

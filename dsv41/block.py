@@ -9,7 +9,7 @@ The attention itself is a callback so the backbone (CED sharing) and DSpark (con
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,47 +44,71 @@ class Block(nnx.Module):
 AttentionFn = Callable[[Block, jax.Array], jax.Array]  # (block, normed input [T, D]) -> output [T, D]
 
 
+class Streams(NamedTuple):
+    """The residual streams between sublayers, with what V4.1 carries across the boundary."""
+
+    R: jax.Array  # [T, n, D]
+    pre: jax.Array | None  # [T, n] pre-mix for the next collapse (None before the first block)
+    pending: tuple[HcMix, jax.Array] | None  # V4.1: the last FFN's (mix, output), merged lazily
+
+
+def attention_input(block: Block, c: ModelConfig, s: Streams, engram_hashes: jax.Array | None = None
+                    ) -> tuple[jax.Array, HcMix, jax.Array]:
+    """Merge the pending FFN output, inject Engram, compute the attention mixes and collapse:
+    (streams R [T, n, D], attention mix, normed attention input x [T, D])."""
+    R = s.R if s.pending is None else hc_post(s.R, *s.pending)
+    if block.engram is not None:
+        if engram_hashes is None:
+            raise ValueError(f"layer {block.role.layer_id} has Engram: engram hash ids are required")
+        R = block.engram(R, engram_hashes[:, block.role.engram_index])
+    mix = block.hc_attn(R)
+    if c.delayed_pre:
+        u = R[:, 0] if s.pre is None else hc_collapse(R, s.pre)
+    else:
+        u = hc_collapse(R, mix.pre)
+    return R, mix, block.attn_norm(u)
+
+
+def ffn_and_output(block: Block, c: ModelConfig, R: jax.Array, mix: HcMix, y: jax.Array, ids_T: jax.Array
+                   ) -> Streams:
+    """Write the attention output into the streams, run the FFN sublayer, return the next Streams."""
+    R = hc_post(R, mix, y)
+    pre = mix.pre
+    mix = block.hc_ffn(R)
+    u = hc_collapse(R, pre if c.delayed_pre else mix.pre)
+    with jax.named_scope("moe"):
+        y = block.ffn(block.ffn_norm(u), ids_T)
+    if c.delayed_pre:
+        return Streams(R, mix.pre, (mix, y))
+    return Streams(hc_post(R, mix, y), mix.pre, None)
+
+
+def final_streams(s: Streams) -> tuple[jax.Array, jax.Array]:
+    """Streams after the last block, and the pre-mix of the final collapse (the last FFN's in V4.1)."""
+    assert s.pre is not None, "no block has run"
+    return (s.R if s.pending is None else hc_post(s.R, *s.pending)), s.pre
+
+
+def mean_stream(s: Streams) -> jax.Array:
+    """Mean over the streams entering the next block (after the pending merge): DSpark's target feature."""
+    R = s.R if s.pending is None else hc_post(s.R, *s.pending)
+    return jnp.mean(R.astype(jnp.float32), axis=1)
+
+
 def run_blocks(blocks, c: ModelConfig, R_TnD: jax.Array, ids_T: jax.Array, attention: AttentionFn, *,
                engram_hashes: jax.Array | None = None, capture: tuple[int, ...] = ()
                ) -> tuple[jax.Array, jax.Array, dict[int, jax.Array]]:
-    """Streams R [T, n, D] through `blocks`.
-
-    Returns the final streams, the pre-mix of the final collapse [T, n] (the last FFN's in V4.1) and,
-    for layer ids in `capture`, the mean over streams entering that layer (DSpark target features).
-    """
+    """Streams R [T, n, D] through `blocks`: the final streams, the final collapse's pre-mix [T, n] and,
+    for layer ids in `capture`, the mean stream entering that layer (DSpark target features)."""
+    s = Streams(R_TnD, None, None)
     captured: dict[int, jax.Array] = {}
-    pre: jax.Array | None = None
-    pending: tuple[HcMix, jax.Array] | None = None  # V4.1: last FFN's (mix, output), merged lazily
     for block in blocks:
-        role = block.role
-        with jax.named_scope(f"layer_{role.layer_id}"):
-            if pending is not None:
-                R_TnD = hc_post(R_TnD, *pending)
-            if role.layer_id in capture:
-                captured[role.layer_id] = jnp.mean(R_TnD.astype(jnp.float32), axis=1)
-            if block.engram is not None:
-                if engram_hashes is None:
-                    raise ValueError(f"layer {role.layer_id} has Engram: engram hash ids are required")
-                R_TnD = block.engram(R_TnD, engram_hashes[:, role.engram_index])
-            mix = block.hc_attn(R_TnD)
-            if c.delayed_pre:
-                u = R_TnD[:, 0] if pre is None else hc_collapse(R_TnD, pre)
-            else:
-                u = hc_collapse(R_TnD, mix.pre)
+        with jax.named_scope(f"layer_{block.role.layer_id}"):
+            if block.role.layer_id in capture:
+                captured[block.role.layer_id] = mean_stream(s)
+            R, mix, x = attention_input(block, c, s, engram_hashes)
             with jax.named_scope("attn"):
-                y = attention(block, block.attn_norm(u))
-            R_TnD = hc_post(R_TnD, mix, y)
-            pre = mix.pre
-            mix = block.hc_ffn(R_TnD)
-            u = hc_collapse(R_TnD, pre if c.delayed_pre else mix.pre)
-            with jax.named_scope("moe"):
-                y = block.ffn(block.ffn_norm(u), ids_T)
-            pre = mix.pre
-            if c.delayed_pre:
-                pending = (mix, y)
-            else:
-                R_TnD = hc_post(R_TnD, mix, y)
-    if pending is not None:
-        R_TnD = hc_post(R_TnD, *pending)
-    assert pre is not None, "run_blocks needs at least one block"
-    return R_TnD, pre, captured
+                y = attention(block, x)
+            s = ffn_and_output(block, c, R, mix, y, ids_T)
+    R, pre = final_streams(s)
+    return R, pre, captured

@@ -57,20 +57,30 @@ def window_mask(positions_T: jax.Array, window: int) -> jax.Array:
     return (d >= 0) & (d < window)
 
 
-def _publish_kv_source(block: Block, x: jax.Array, pub: _Published, c: ModelConfig, fake_quant: bool) -> None:
+def _publish_kv_source(block: Block, x: jax.Array, pub: _Published, c: ModelConfig, fake_quant: bool,
+                       frozen: dict | None) -> None:
     """Compressor latent -> global rows RoPE'd at each group's first position (+ NVFP4 record) and, from
-    the same pre-RoPE latent (V4: from x through the indexer's own compressor), the index keys."""
+    the same pre-RoPE latent (V4: from x through the indexer's own compressor), the index keys.
+    `frozen[layer] = (rows, keys)` replaces the first rows (a prefix cache hit's rows, never rewritten)."""
     attn, role = block.attn, block.role
     assert attn.compressor is not None
     latent = attn.compressor(x)
     cos, sin = rope_angles(jnp.arange(latent.shape[0]) * role.compress_ratio, inv_freq(c, "compress"))
     rows = apply_rope(latent, cos, sin)
-    pub.rows[role.layer_id] = fake_quant_nvfp4(rows) if fake_quant else rows
+    rows = fake_quant_nvfp4(rows) if fake_quant else rows
+    keys = None
     ix = attn.indexer
     if ix is not None and ix.wk is not None:
-        pub.index_keys[role.layer_id] = ix.keys(latent, cos, sin, fake_quant)
+        keys = ix.keys(latent, cos, sin, fake_quant)
     elif ix is not None and ix.compressor is not None:
-        pub.index_keys[role.layer_id] = ix.keys(x, cos, sin, fake_quant)
+        keys = ix.keys(x, cos, sin, fake_quant)
+    if frozen and role.layer_id in frozen:
+        f_rows, f_keys = frozen[role.layer_id]
+        rows = rows.at[: f_rows.shape[0]].set(f_rows.astype(rows.dtype))
+        keys = keys.at[: f_keys.shape[0]].set(f_keys.astype(keys.dtype))
+    pub.rows[role.layer_id] = rows
+    if keys is not None:
+        pub.index_keys[role.layer_id] = keys
 
 
 def _selected_rows(block: Block, x: jax.Array, qr: jax.Array, positions: jax.Array, angles, pub: _Published,
@@ -95,10 +105,17 @@ def _selected_rows(block: Block, x: jax.Array, qr: jax.Array, positions: jax.Arr
     return topk_row_mask(pub.topk[role.index_source], n_rows) & visible
 
 
-def _backbone_attention(c: ModelConfig, positions: jax.Array, pub: _Published, fake_quant: bool):
+def _backbone_attention(c: ModelConfig, positions: jax.Array, pub: _Published, fake_quant: bool,
+                        swa_floor: jax.Array | None = None, decoder_floor: jax.Array | None = None,
+                        frozen: dict | None = None):
     angles = {kind: rope_angles(positions, inv_freq(c, kind)) for kind in ("main", "compress")
               if kind == "main" or c.rope_scaling is not None}
     swa = window_mask(positions, c.sliding_window)
+    if swa_floor is not None:  # encoder replay: no SWA row below the query's floor, in every layer
+        swa = swa & (positions[None, :] >= swa_floor[:, None])
+    swa_after_cut = swa
+    if decoder_floor is not None:  # decoder replay: layers after the cut see only kept rows
+        swa_after_cut = swa & (positions[None, :] >= decoder_floor[:, None])
 
     def attend(block: Block, x: jax.Array) -> jax.Array:
         attn, role = block.attn, block.role
@@ -108,25 +125,32 @@ def _backbone_attention(c: ModelConfig, positions: jax.Array, pub: _Published, f
         rows = rows_mask = None
         if role.attn_kind != "swa":
             if role.is_kv_source:
-                _publish_kv_source(block, x, pub, c, fake_quant)
+                _publish_kv_source(block, x, pub, c, fake_quant, frozen)
             if pub.rows[role.kv_source].shape[0]:
                 rows = pub.rows[role.kv_source]
                 rows_mask = _selected_rows(block, x, qr, positions, angles, pub, c, fake_quant)
-        o = sparse_attention(q, kv, swa, attn.attn_sink[...], rows, rows_mask)
+        after_cut = c.cut_layer is not None and role.layer_id > c.cut_layer
+        o = sparse_attention(q, kv, swa_after_cut if after_cut else swa, attn.attn_sink[...], rows, rows_mask)
         return attn.output(o, cos, sin, x.dtype)
 
     return attend
 
 
 def forward_hidden(model: Transformer, ids_T: jax.Array, engram_hashes: jax.Array | None = None, *,
-                   fake_quant: bool = False, capture: tuple[int, ...] = ()
+                   fake_quant: bool = False, capture: tuple[int, ...] = (), swa_floor: jax.Array | None = None,
+                   decoder_floor: jax.Array | None = None, frozen: dict | None = None
                    ) -> tuple[jax.Array, dict[int, jax.Array]]:
-    """Final hidden state [T, D] (after the output norm) and the captured layer inputs."""
+    """Final hidden state [T, D] (after the output norm) and the captured layer inputs.
+
+    The bounded-replay semantics (spec §3.3-3.4) are masks: `swa_floor` [T] clips every layer's SWA
+    window from below (encoder replay), `decoder_floor` [T] clips the layers after the CED cut (decoder
+    replay), `frozen` {KV source: (rows, index keys)} pins the rows a prefix-cache hit holds.
+    """
     c = model.config
     positions = jnp.arange(ids_T.shape[0])
     e = model.embed(ids_T)
     R = jnp.broadcast_to(e[:, None, :], (e.shape[0], c.hc_mult, e.shape[1]))
-    attend = _backbone_attention(c, positions, _Published(), fake_quant)
+    attend = _backbone_attention(c, positions, _Published(), fake_quant, swa_floor, decoder_floor, frozen)
     R, pre, captured = run_blocks(model.layers, c, R, ids_T, attend, engram_hashes=engram_hashes,
                                   capture=capture)
     h = model.hc_head(R) if model.hc_head is not None else hc_collapse(R, pre)
@@ -134,7 +158,20 @@ def forward_hidden(model: Transformer, ids_T: jax.Array, engram_hashes: jax.Arra
 
 
 def forward(model: Transformer, ids_T: jax.Array, engram_hashes: jax.Array | None = None, *,
-            fake_quant: bool = False) -> jax.Array:
-    """Exact full-sequence logits [T, vocab] (float32)."""
-    h, _ = forward_hidden(model, ids_T, engram_hashes, fake_quant=fake_quant)
+            fake_quant: bool = False, **masks) -> jax.Array:
+    """Exact full-sequence logits [T, vocab] (float32); `masks` as in `forward_hidden`."""
+    h, _ = forward_hidden(model, ids_T, engram_hashes, fake_quant=fake_quant, **masks)
     return model.head(h, jnp.float32)
+
+
+def published_rows(model: Transformer, ids_T: jax.Array, engram_hashes: jax.Array | None = None, *,
+                   fake_quant: bool = False) -> dict[int, tuple[jax.Array, jax.Array]]:
+    """{KV source: (global rows, index keys)} of a cold full-sequence pass (what a prefix cache holds)."""
+    c = model.config
+    pub = _Published()
+    positions = jnp.arange(ids_T.shape[0])
+    e = model.embed(ids_T)
+    R = jnp.broadcast_to(e[:, None, :], (e.shape[0], c.hc_mult, e.shape[1]))
+    run_blocks(model.layers, c, R, ids_T, _backbone_attention(c, positions, pub, fake_quant),
+               engram_hashes=engram_hashes)
+    return {s: (pub.rows[s], pub.index_keys[s]) for s in pub.rows}
