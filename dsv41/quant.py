@@ -171,3 +171,92 @@ def fake_quant_nvfp4(x: jax.Array, block: int = 16) -> jax.Array:
     s = jnp.minimum(amax / FP4_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32)
     q = _round_fp4(jnp.clip(z / s, -FP4_MAX, FP4_MAX)) * s
     return q.reshape(x.shape).astype(x.dtype)
+
+
+# ======================================================== JAX: KV-cache record encode / decode
+# Byte layouts of the release KV records (spec §4.1): values first, then one scale byte per block.
+# Encoding an already fake-quantized row is lossless; encoding any other row quantizes it.
+def _fp4_code(x: jax.Array) -> jax.Array:
+    """e2m1 code (sign = bit 3) of x already on the e2m1 grid."""
+    a = jnp.abs(x)
+    grid = jnp.asarray(FP4_GRID, jnp.float32)
+    mag = jnp.argmin(jnp.abs(a[..., None] - grid), axis=-1).astype(jnp.uint8)
+    return mag | jnp.where(x < 0, jnp.uint8(8), jnp.uint8(0))
+
+
+def _fp4_value(code: jax.Array) -> jax.Array:
+    mag = jnp.asarray(FP4_GRID, jnp.float32)[(code & 7).astype(jnp.int32)]
+    return jnp.where(code & 8, -mag, mag)
+
+
+def _pack_nibbles(codes: jax.Array) -> jax.Array:
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def _unpack_nibbles(packed: jax.Array) -> jax.Array:
+    return jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
+
+
+def fp8_record_bytes(d: int, block: int = 32) -> int:
+    return d + d // min(block, d)
+
+
+def encode_fp8_record(x: jax.Array, block: int = 32) -> jax.Array:
+    """[..., d] -> [..., d + d/32] uint8: e4m3 values, then UE8M0 exponents (the SWA record)."""
+    z = _blocks(x, block)
+    amax = jnp.maximum(jnp.max(jnp.abs(z), -1, keepdims=True), 1e-4)
+    s = _pow2_ceil(amax * (1.0 / E4M3_MAX))
+    q = jnp.clip(z / s, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+    vals = jax.lax.bitcast_convert_type(q, jnp.uint8).reshape(*x.shape[:-1], -1)
+    exps = (jnp.frexp(s[..., 0])[1] - 1 + UE8M0_BIAS).astype(jnp.uint8)
+    return jnp.concatenate([vals, exps], axis=-1)
+
+
+def decode_fp8_record(r: jax.Array, d: int, block: int = 32) -> jax.Array:
+    b = min(block, d)
+    vals = jax.lax.bitcast_convert_type(r[..., :d], jnp.float8_e4m3fn).astype(jnp.float32)
+    s = jnp.ldexp(1.0, r[..., d:].astype(jnp.int32) - UE8M0_BIAS)
+    return (vals.reshape(*vals.shape[:-1], d // b, b) * s[..., None]).reshape(vals.shape)
+
+
+def nvfp4_record_bytes(d: int, block: int = 16) -> int:
+    return d // 2 + d // min(block, d)
+
+
+def encode_nvfp4_record(x: jax.Array, block: int = 16) -> jax.Array:
+    """[..., d] -> [..., d/2 + d/16] uint8: packed e2m1 pairs (low nibble = even index), e4m3 scales."""
+    z = _blocks(x, block)
+    amax = jnp.maximum(jnp.max(jnp.abs(z), -1, keepdims=True), FP4_MAX * 2.0**-9)
+    s8 = jnp.minimum(amax / FP4_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+    codes = _fp4_code(_round_fp4(jnp.clip(z / s8.astype(jnp.float32), -FP4_MAX, FP4_MAX)))
+    packed = _pack_nibbles(codes.reshape(*x.shape[:-1], -1))
+    return jnp.concatenate([packed, jax.lax.bitcast_convert_type(s8[..., 0], jnp.uint8)], axis=-1)
+
+
+def decode_nvfp4_record(r: jax.Array, d: int, block: int = 16) -> jax.Array:
+    b = min(block, d)
+    vals = _fp4_value(_unpack_nibbles(r[..., : d // 2]))
+    s = jax.lax.bitcast_convert_type(r[..., d // 2:], jnp.float8_e4m3fn).astype(jnp.float32)
+    return (vals.reshape(*vals.shape[:-1], d // b, b) * s[..., None]).reshape(vals.shape)
+
+
+def mxfp4_record_bytes(d: int, block: int = 32) -> int:
+    return d // 2 + d // min(block, d)
+
+
+def encode_mxfp4_record(x: jax.Array, block: int = 32) -> jax.Array:
+    """[..., d] -> [..., d/2 + d/32] uint8: packed e2m1 pairs, UE8M0 exponents (the index-key record)."""
+    z = _blocks(x, block)
+    amax = jnp.maximum(jnp.max(jnp.abs(z), -1, keepdims=True), FP4_MAX * 2.0**-126)
+    s = _pow2_ceil(amax * (1.0 / FP4_MAX))
+    codes = _fp4_code(_round_fp4(jnp.clip(z / s, -FP4_MAX, FP4_MAX)))
+    packed = _pack_nibbles(codes.reshape(*x.shape[:-1], -1))
+    exps = (jnp.frexp(s[..., 0])[1] - 1 + UE8M0_BIAS).astype(jnp.uint8)
+    return jnp.concatenate([packed, exps], axis=-1)
+
+
+def decode_mxfp4_record(r: jax.Array, d: int, block: int = 32) -> jax.Array:
+    b = min(block, d)
+    vals = _fp4_value(_unpack_nibbles(r[..., : d // 2]))
+    s = jnp.ldexp(1.0, r[..., d // 2:].astype(jnp.int32) - UE8M0_BIAS)
+    return (vals.reshape(*vals.shape[:-1], d // b, b) * s[..., None]).reshape(vals.shape)

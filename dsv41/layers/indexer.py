@@ -49,16 +49,28 @@ class Indexer(nnx.Module):
         k = apply_rope(k.astype(jnp.float32), cos, sin)
         return fake_quant_mxfp4(k) if fake_quant else k
 
-    def scores(self, x_TD: jax.Array, qr_Tq: jax.Array, keys_Nk: jax.Array, cos: jax.Array, sin: jax.Array,
-               fake_quant: bool) -> jax.Array:
-        """S [T, N] float32 for query angles cos/sin [T, d_r/2] (no causal mask applied)."""
+    def queries(self, x_TD: jax.Array, qr_Tq: jax.Array, cos: jax.Array, sin: jax.Array, fake_quant: bool
+                ) -> tuple[jax.Array, jax.Array]:
+        """RoPE'd index queries [T, ih, ihd] and head weights [T, ih] (float32) at angles cos/sin [T, d_r/2]."""
         q = self.wq_b(qr_Tq, jnp.float32).reshape(-1, self.n_heads, self.head_dim)
         q = apply_rope(q, cos[:, None], sin[:, None])
         if fake_quant:
             q = fake_quant_mxfp4(q)
         w = self.weights_proj(x_TD, jnp.float32) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
-        s = jnp.einsum("thc,nc->thn", q, keys_Nk.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
-        return jnp.einsum("thn,th->tn", jax.nn.relu(s), w, precision=jax.lax.Precision.HIGHEST)
+        return q, w
+
+    def scores(self, x_TD: jax.Array, qr_Tq: jax.Array, keys_Nk: jax.Array, cos: jax.Array, sin: jax.Array,
+               fake_quant: bool) -> jax.Array:
+        """S [T, N] float32 for query angles cos/sin [T, d_r/2] (no causal mask applied)."""
+        q, w = self.queries(x_TD, qr_Tq, cos, sin, fake_quant)
+        return index_scores(q, w, keys_Nk)
+
+
+def index_scores(q_Thc: jax.Array, w_Th: jax.Array, keys_Nc: jax.Array) -> jax.Array:
+    """sum_h w[t, h] * ReLU(q[t, h] . k[n]) -> [T, N] (keys may carry a leading per-query axis [T, N, c])."""
+    eq = "thc,tnc->thn" if keys_Nc.ndim == 3 else "thc,nc->thn"
+    s = jnp.einsum(eq, q_Thc, keys_Nc.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return jnp.einsum("thn,th->tn", jax.nn.relu(s), w_Th, precision=jax.lax.Precision.HIGHEST)
 
 
 def causal_row_mask(positions_T: jax.Array, n_rows: int, ratio: int) -> jax.Array:

@@ -1,0 +1,196 @@
+"""The device side of a step: precompiled segment functions over flattened parameter leaves, the KV cache
+donated through every call, on-device sampling.
+
+Shapes are bucketed: segment 1 by the step's token count, segment 2 by its kept-row count (the CED
+trimming), the kept-row gather by the pair, the sampler once. Every bucket is compiled ahead of time
+(`precompile`, with a progress bar); a step whose bucket was not compiled raises instead of compiling in
+the serving loop. One step = one host->device call per function and one device->host copy: the tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import dsv41
+from serving.runtime import kv_cache, segments
+from serving.runtime.batch import Buckets, SeqChunk, build_step, token_ladder
+from serving.runtime.kv_cache import CacheLayout
+from serving.runtime.sampler import SamplingParams, sample, sampling_arrays
+
+
+class CompileInServingLoop(RuntimeError):
+    """A step needed a shape that was not precompiled."""
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 4096
+    block_size: int = 64
+    kv_cache_dtype: str = "auto"  # "auto": compute dtype (exact); "release": FP8 / NVFP4 / MXFP4 records
+    kv_cache_memory: int | None = None  # bytes; default: max_num_seqs requests of max_model_len
+    swa_bounded_replay: bool = True
+    tile: int = 8
+    fake_quant: bool = False
+    max_top_k: int = 256  # sampler candidate set
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "tile", "max_top_k"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every running request needs a row)")
+
+
+def check_supported(c: dsv41.ModelConfig) -> None:
+    """The runtime's CED topology requirements (those of vLLM's decoder replay, spec §3.1)."""
+    if c.family != "v41":
+        raise ValueError("the serving runtime runs V4.1 models; V4 checkpoints run through dsv41.Model.logits")
+    if c.cut_layer is None:
+        raise ValueError("the runtime needs a KV source (kv_source_layer_ids) to split the CED segments")
+    cut = c.cut_layer
+    if any(lid >= cut for lid in c.engram_layer_ids):
+        raise ValueError(f"Engram layers {list(c.engram_layer_ids)} must lie before the CED cut {cut}")
+    if c.candidate_source_layer_id is not None and c.candidate_source_layer_id < cut:
+        raise ValueError("the candidate source must be at or after the CED cut")
+
+
+class Runner:
+    def __init__(self, model: dsv41.Model, rc: RuntimeConfig = RuntimeConfig(), *, progress: bool = True):
+        c = model.config
+        check_supported(c)
+        self.model, self.rc, self.config = model, rc, c
+        memory = rc.kv_cache_memory
+        probe = CacheLayout(c, 1, rc.block_size, rc.max_num_seqs, rc.kv_cache_dtype, model.dtype.name)
+        if memory is None:
+            blocks = rc.max_num_seqs * -(-rc.max_model_len // rc.block_size)
+            memory = probe.bytes_per_slot() * rc.max_num_seqs + probe.bytes_per_block() * blocks
+        self.layout = kv_cache.plan_layout(c, memory_bytes=memory, block_size=rc.block_size, num_slots=rc.max_num_seqs,
+                                           max_model_len=rc.max_model_len, fmt=rc.kv_cache_dtype, dtype=model.dtype.name)
+        self.cache = kv_cache.allocate(self.layout)
+        self.max_blocks = -(-rc.max_model_len // rc.block_size)
+        self.buckets = Buckets(token_ladder(rc.max_num_batched_tokens, c.sliding_window), rc.max_num_seqs, rc.tile)
+        graphdef, state = nnx.split(model.module)
+        self._leaves, treedef = jax.tree.flatten(state)
+        merge = functools.partial(_merge, graphdef, treedef)
+        kw = dict(tile=rc.tile, fake_quant=rc.fake_quant)
+        self._fns = {
+            "seg1": jax.jit(lambda leaves, cache, b: segments.segment1(merge(leaves), self.layout, cache, b, **kw),
+                            donate_argnums=1),
+            "gather": jax.jit(functools.partial(segments.gather_kept, window=c.sliding_window, tile=rc.tile)),
+            "seg2": jax.jit(lambda leaves, cache, carry, b: segments.segment2(merge(leaves), self.layout, cache, carry, b,
+                                                                              **kw), donate_argnums=1),
+            "sample": jax.jit(functools.partial(sample, max_top_k=rc.max_top_k)),
+        }
+        self._exe: dict[tuple, object] = {}
+        self.progress = progress
+        self.compile_seconds = 0.0
+
+    # ----------------------------------------------------------------- compilation
+    def _example(self, T: int, T2: int) -> tuple[dict, dict]:
+        ch = SeqChunk(slot=0, block_table=[0], token_ids=[0], start=0, end=1)
+        return self._build([ch], token_bucket=T, kept_bucket=T2)
+
+    def _build(self, chunks: Sequence[SeqChunk], **forced) -> tuple[dict, dict]:
+        hashes = None
+        if self.model.engram is not None:
+            hashes = lambda ch: self.model.engram.hash_ids(np.asarray(ch.token_ids), self.model.token_map, ch.start)[
+                : ch.num_tokens]  # noqa: E731
+        return build_step(chunks, self.buckets, max_blocks=self.max_blocks, window=self.config.sliding_window,
+                          block_size=self.layout.block_size, engram_hashes=hashes, **forced)
+
+    def _compile(self, key: tuple, fn: str, *args) -> None:
+        t = time.perf_counter()
+        spec = jax.tree.map(lambda a: a if isinstance(a, jax.ShapeDtypeStruct) else jax.ShapeDtypeStruct(a.shape, a.dtype),
+                            args)
+        self._exe[key] = self._fns[fn].lower(*spec).compile()
+        self.compile_seconds += time.perf_counter() - t
+
+    def bucket_keys(self) -> list[tuple]:
+        T = self.buckets.tokens
+        return ([("seg1", t) for t in T] + [("seg2", t) for t in T]
+                + [("gather", t, t2) for t in T for t2 in T if t2 <= t] + [("sample",)])
+
+    def precompile(self, keys: Sequence[tuple] | None = None) -> float:
+        """Compile every bucket (or `keys`); returns the seconds spent."""
+        keys = list(keys or self.bucket_keys())
+        start = time.perf_counter()
+        for n, key in enumerate(keys):
+            if key not in self._exe:
+                self._compile_key(key)
+            if self.progress:
+                _bar(n + 1, len(keys), f"precompiling {key[0]} {key[1:]}", time.perf_counter() - start)
+        return time.perf_counter() - start
+
+    def _compile_key(self, key: tuple) -> None:
+        name = key[0]
+        if name == "seg1":
+            b1, _ = self._example(key[1], key[1])
+            self._compile(key, "seg1", self._leaves, self.cache, b1)
+        elif name == "seg2":
+            b1, b2 = self._example(key[1], key[1])
+            carry = jax.eval_shape(self._fns["gather"], self._carry_spec(key[1]), b1, b2)
+            self._compile(key, "seg2", self._leaves, self.cache, carry, b2)
+        elif name == "gather":
+            b1, b2 = self._example(key[1], key[2])
+            self._compile(key, "gather", self._carry_spec(key[1]), b1, b2)
+        else:
+            R, V = self.rc.max_num_seqs, self.config.vocab_size
+            p = sampling_arrays([], [], R, 0)
+            self._compile(key, "sample", jax.ShapeDtypeStruct((R, V), jnp.float32), p)
+
+    def _carry_spec(self, T: int):
+        b1, _ = self._example(T, T)
+        return jax.eval_shape(self._fns["seg1"], self._leaves, self.cache, b1)[1]
+
+    def _exe_for(self, key: tuple):
+        exe = self._exe.get(key)
+        if exe is None:
+            raise CompileInServingLoop(f"bucket {key} was not precompiled")
+        return exe
+
+    # ------------------------------------------------------------------ execution
+    def forward(self, chunks: Sequence[SeqChunk]) -> jax.Array:
+        """Run one step; the logits [max_num_seqs, vocab] of each request's last row (device array)."""
+        with jax.profiler.TraceAnnotation("runner.build"):
+            b1, b2 = self._build(chunks)
+        T, T2 = len(b1["ids"]), len(b2["kept"])
+        with jax.profiler.TraceAnnotation("runner.segment1"):
+            self.cache, carry = self._exe_for(("seg1", T))(self._leaves, self.cache, b1)
+        with jax.profiler.TraceAnnotation("runner.segment2"):
+            kept = self._exe_for(("gather", T, T2))(carry, b1, b2)
+            self.cache, logits = self._exe_for(("seg2", T2))(self._leaves, self.cache, kept, b2)
+        return logits
+
+    def step(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams | None]) -> tuple[np.ndarray, np.ndarray]:
+        """Run one step and sample: (token ids, logprobs) of each request (garbage where ch.sample is False)."""
+        logits = self.forward(chunks)
+        p = sampling_arrays(list(params), [ch.end for ch in chunks], self.rc.max_num_seqs, self.rc.seed)
+        with jax.profiler.TraceAnnotation("runner.sample"):
+            tok, logprob = self._exe_for(("sample",))(logits, p)
+        n = len(chunks)
+        return np.asarray(tok)[:n], np.asarray(logprob)[:n]
+
+
+def _merge(graphdef, treedef, leaves):
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+
+
+def _bar(done: int, total: int, what: str, seconds: float) -> None:
+    width = 24
+    fill = int(width * done / total)
+    sys.stderr.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {done}/{total} {what:<40.40} {seconds:6.1f}s")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()

@@ -1,0 +1,82 @@
+"""On-device sampling with per-request parameters as arrays (changing them never recompiles).
+
+Greedy rows take the argmax of the full logits. Other rows sample by Gumbel-max: over the whole
+vocabulary when the row has no top-k / top-p / min-p filter, else over a candidate set of the
+`max_top_k` largest logits on which top-k, top-p (nucleus, on the temperature-scaled distribution) and
+min-p are applied. The candidate indices from `lax.top_k` are consumed whole (never sliced) so XLA keeps
+its TopK call instead of sorting the vocabulary (jax-notes §6.3). Each request's noise comes from its
+seed folded with the position, so a seeded request reproduces whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+
+def sampling_arrays(params: list[SamplingParams | None], positions: list[int], rows: int, default_seed: int
+                    ) -> dict[str, np.ndarray]:
+    """Per-request parameter arrays padded to `rows` (missing rows are greedy)."""
+    out = {"temperature": np.zeros(rows, np.float32), "top_k": np.zeros(rows, np.int32),
+           "top_p": np.ones(rows, np.float32), "min_p": np.zeros(rows, np.float32),
+           "seed": np.zeros(rows, np.uint32), "position": np.zeros(rows, np.int32)}
+    for i, (p, pos) in enumerate(zip(params, positions)):
+        p = p or SamplingParams(temperature=0.0)
+        out["temperature"][i], out["top_k"][i], out["top_p"][i], out["min_p"][i] = p.temperature, p.top_k, p.top_p, p.min_p
+        out["seed"][i] = (default_seed + i if p.seed is None else p.seed) & 0xFFFFFFFF
+        out["position"][i] = pos
+    return out
+
+
+def sample(logits_RV: jax.Array, p: dict, *, max_top_k: int) -> tuple[jax.Array, jax.Array]:
+    """Sampled token ids [R] and their log-probabilities under the unfiltered model distribution [R]."""
+    logits = logits_RV.astype(jnp.float32)
+    R, V = logits.shape
+    K = min(max_top_k, V)
+    greedy = p["temperature"] <= 0
+    temp = jnp.where(greedy, 1.0, p["temperature"])[:, None]
+    keys = jax.vmap(lambda s, pos: jax.random.fold_in(jax.random.key(s), pos))(p["seed"], p["position"])
+
+    def gumbel(shape_tail):
+        return jax.vmap(lambda k: jax.random.gumbel(k, shape_tail, jnp.float32))(keys)
+
+    filtered = (p["top_k"] > 0) | (p["top_p"] < 1) | (p["min_p"] > 0)
+    # Candidate set: the K largest logits, sorted descending.
+    cand_vals, cand_ids = jax.lax.top_k(logits, K)
+    scaled = cand_vals / temp
+    probs = jax.nn.softmax(scaled, axis=-1)
+    rank = jnp.arange(K)[None]
+    keep = jnp.where(p["top_k"][:, None] > 0, rank < p["top_k"][:, None], True)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before this candidate
+    keep &= before < p["top_p"][:, None]
+    keep &= probs >= p["min_p"][:, None] * probs[:, :1]
+    cand_choice = jnp.argmax(jnp.where(keep, scaled + gumbel((K,)), -jnp.inf), axis=-1)
+    filtered_tok = jnp.take_along_axis(cand_ids, cand_choice[:, None], axis=-1)[:, 0]
+    full_tok = jax.lax.cond(jnp.any(~greedy & ~filtered),
+                            lambda: jnp.argmax(logits / temp + gumbel((V,)), axis=-1),
+                            lambda: jnp.zeros((R,), jnp.int32))
+    tok = jnp.where(greedy, jnp.argmax(logits, axis=-1), jnp.where(filtered, filtered_tok, full_tok))
+    logprob = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tok[:, None], axis=-1)[:, 0]
+    return tok.astype(jnp.int32), logprob

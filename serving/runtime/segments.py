@@ -1,0 +1,151 @@
+"""The two CED prefill segments, separate jitted functions over the flattened parameter leaves.
+
+segment 1  every row of the step: embedding, layers 0 .. cut-1, then the cut layer up to its KV path
+           (mHC + attn_norm, SWA rows, global rows + index keys written to the cache).
+segment 2  the kept rows (all of them with replay off; each prefill's last `window` rows with decoder
+           replay on; decode rows always): the rest of the cut layer - queries, indexer and candidates,
+           attention, its SWA ring write - and layers cut+1 .. L-1, then the logits of each request's
+           last row. Its shapes are its own row buckets, so trimming costs no recompilation.
+Decode steps run through the same two functions with every row kept.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dsv41.block import Streams, attention_input, ffn_and_output, final_streams
+from dsv41.layers.mhc import HcMix, hc_collapse
+from dsv41.layers.rope import inv_freq, rope_angles
+from serving.runtime import global_kv
+from serving.runtime.attention import Tiles, attention, flat_band, gathered_band, write_ring
+from serving.runtime.global_kv import TokenMeta
+from serving.runtime.kv_cache import CacheLayout
+
+REQ_KEYS = ("slot", "start", "end", "first", "qlen", "kv_floor", "write_floor", "dec_floor", "kept_first",
+            "kept_qlen", "logit_row", "block_table", "valid", "sample")
+
+
+def _req(b: dict) -> dict:
+    return {k: b[f"req_{k}"] for k in REQ_KEYS}
+
+
+def _tiles(b: dict, req: dict, first: str, qlen: str, floor: str, size: int) -> Tiles:
+    return Tiles(b["tile_req"], b["tile_first"], b["tile_n"], req[first], req[qlen], req["start"], req["slot"],
+                 req[floor], req["block_table"], size)
+
+
+class _Layer:
+    """Runs one block's attention sublayer against the cache and threads what layers publish."""
+
+    def __init__(self, layout: CacheLayout, fake_quant: bool, n_iter: jax.Array):
+        self.layout, self.fake_quant, self.n_iter = layout, fake_quant, n_iter
+        self.topk: dict[int, jax.Array] = {}
+        self.candidates: jax.Array | None = None
+
+    def attend(self, block, x: jax.Array, ids_meta: TokenMeta, req: dict, tiles: Tiles, cache: dict, band=None,
+               kv: jax.Array | None = None) -> tuple[jax.Array, dict]:
+        layout, c, role, attn = self.layout, self.layout.config, block.role, block.attn
+        cos, sin = rope_angles(ids_meta.pos, inv_freq(c, role.rope))
+        qr, q = attn.project_q(x, cos, sin)
+        if kv is None:
+            kv = attn.project_kv(x, cos, sin, self.fake_quant)
+            if role.is_kv_source:
+                cache = global_kv.publish_source(layout, block, x, ids_meta, req, cache, self.fake_quant)
+        rows_cache = topk = None
+        rpb = 0
+        if role.attn_kind == "compressed":
+            r = role.compress_ratio
+            if role.is_index_source:
+                qi, wi = attn.indexer.queries(x, qr, cos, sin, self.fake_quant)
+                keys_cache = cache["keys"][role.kv_source]
+                if role.uses_candidates:
+                    self.topk[role.layer_id] = global_kv.candidate_topk(
+                        layout, qi, wi, ids_meta.pos, tiles, keys_cache, self.candidates, ratio=r)
+                else:
+                    self.topk[role.layer_id], cand = global_kv.dense_topk(
+                        layout, attn.indexer, qi, wi, ids_meta.pos, tiles, keys_cache, self.n_iter[r - 1], ratio=r,
+                        candidates=role.is_candidate_source)
+                    if role.is_candidate_source:
+                        self.candidates = cand
+            topk, rows_cache, rpb = self.topk[role.index_source], cache["rows"][role.kv_source], layout.rows_per_block(role.kv_source)
+        band = band or flat_band(kv, ids_meta.pos, tiles, layout.window)
+        o = attention(layout, tiles, q, ids_meta.pos, band, cache["swa"][role.layer_id], attn.attn_sink[...],
+                      rows_cache=rows_cache, topk_Tk=topk, rows_per_block=rpb)
+        last_rows = ids_meta.valid & (ids_meta.pos >= req["end"][ids_meta.req] - layout.window)
+        cache = {**cache, "swa": {**cache["swa"], role.layer_id: write_ring(
+            layout, cache["swa"][role.layer_id], kv, ids_meta.pos, req["slot"][ids_meta.req], last_rows)}}
+        return attn.output(o, cos, sin, x.dtype), cache
+
+
+def segment1(module, layout: CacheLayout, cache: dict, b: dict, *, tile: int, fake_quant: bool
+             ) -> tuple[dict, dict]:
+    c, cut = layout.config, layout.config.cut_layer
+    req = _req(b)
+    meta = TokenMeta(b["pos"], b["req"], b["valid"])
+    tiles = _tiles(b, req, "first", "qlen", "kv_floor", tile)
+    layer = _Layer(layout, fake_quant, b["n_iter"])
+    e = module.embed(b["ids"])
+    s = Streams(jnp.broadcast_to(e[:, None, :], (e.shape[0], c.hc_mult, e.shape[1])), None, None)
+    for block in module.layers[:cut]:
+        with jax.named_scope(f"layer_{block.role.layer_id}"):
+            R, mix, x = attention_input(block, c, s, b.get("engram"))
+            with jax.named_scope("attn"):
+                y, cache = layer.attend(block, x, meta, req, tiles, cache)
+            s = ffn_and_output(block, c, R, mix, y, b["ids"])
+    block = module.layers[cut]
+    with jax.named_scope(f"layer_{cut}_kv_path"):
+        R, mix, x = attention_input(block, c, s, b.get("engram"))
+        cos, sin = rope_angles(meta.pos, inv_freq(c, block.role.rope))
+        kv = block.attn.project_kv(x, cos, sin, fake_quant)
+        if block.role.is_kv_source:
+            cache = global_kv.publish_source(layout, block, x, meta, req, cache, fake_quant)
+    carry = {"R": R, "x": x, "pre": mix.pre, "post": mix.post, "comb": mix.comb, "kv": kv, "ids": b["ids"],
+             "pos": b["pos"], "req": b["req"], "topk": layer.topk, "candidates": layer.candidates}
+    return cache, carry
+
+
+def gather_kept(carry: dict, b1: dict, b2: dict, *, window: int, tile: int) -> dict:
+    """Segment 2's inputs: the kept rows of segment 1's carry, and each kept tile's band of cut-layer SWA
+    rows from the full step (a kept row's window reaches W - 1 rows back, into trimmed rows)."""
+    k = b2["kept"]
+    kept = jax.tree.map(lambda a: a[k], {n: v for n, v in carry.items() if v is not None})
+    T = carry["kv"].shape[0]
+    f0 = k[b2["tile_first"]]
+    idx = f0[:, None] - (window - 1) + jnp.arange(window - 1 + tile)
+    r = b2["tile_req"]
+    lo, hi = b1["req_first"][r], b1["req_first"][r] + b1["req_qlen"][r]
+    ok = (idx >= lo[:, None]) & (idx < hi[:, None])
+    idx = jnp.clip(idx, 0, T - 1)
+    kept["band"] = (carry["kv"][idx], carry["pos"][idx], ok)
+    return kept
+
+
+def segment2(module, layout: CacheLayout, cache: dict, carry: dict, b: dict, *, tile: int, fake_quant: bool
+             ) -> tuple[dict, jax.Array]:
+    c, cut = layout.config, layout.config.cut_layer
+    req = _req(b)
+    meta = TokenMeta(carry["pos"], carry["req"], b["valid"])
+    size = tile
+    layer = _Layer(layout, fake_quant, b["n_iter"])
+    layer.topk, layer.candidates = dict(carry.get("topk", {})), carry.get("candidates")
+    block = module.layers[cut]
+    with jax.named_scope(f"layer_{cut}"):
+        tiles = _tiles(b, req, "kept_first", "kept_qlen", "kv_floor", size)  # the cut layer wrote every row
+        y, cache = layer.attend(block, carry["x"], meta, req, tiles, cache, band=gathered_band(*carry["band"]),
+                                kv=carry["kv"])
+        s = ffn_and_output(block, c, carry["R"], HcMix(carry["pre"], carry["post"], carry["comb"]), y, carry["ids"])
+    tiles = _tiles(b, req, "kept_first", "kept_qlen", "dec_floor", size)
+    for block in module.layers[cut + 1:]:
+        with jax.named_scope(f"layer_{block.role.layer_id}"):
+            R, mix, x = attention_input(block, c, s)
+            with jax.named_scope("attn"):
+                y, cache = layer.attend(block, x, meta, req, tiles, cache)
+            s = ffn_and_output(block, c, R, mix, y, carry["ids"])
+    with jax.named_scope("logits"):
+        R, pre = final_streams(s)
+        rows = req["logit_row"]
+        h = module.norm(hc_collapse(R[rows], pre[rows]))
+        logits = module.head(h, jnp.float32)
+    return cache, logits
+

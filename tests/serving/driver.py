@@ -1,0 +1,68 @@
+"""A minimal synchronous scheduler for runtime tests: requests advance by the chunks a test asks for,
+with real block allocation, prefix lookups and the encoder-replay plan (the engine's scheduler does this
+for real)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from serving.runtime.batch import SeqChunk
+from serving.runtime.block_manager import BlockManager
+from serving.runtime.encoder_replay import PrefixPlan, plan_prefix_hit
+from serving.runtime.runner import Runner
+
+
+@dataclass
+class Req:
+    tokens: list[int]
+    slot: int
+    plan: PrefixPlan
+    computed: int
+    schedule: list[tuple[int, int]] = field(default_factory=list)  # (start, end) of every step
+
+
+class Driver:
+    def __init__(self, runner: Runner, *, prefix_caching: bool = True):
+        self.runner = runner
+        self.bounded = runner.rc.swa_bounded_replay
+        self.bm = BlockManager(runner.layout.num_blocks, runner.layout.block_size, prefix_caching)
+        self.reqs: dict[str, Req] = {}
+        self.free_slots = list(range(runner.rc.max_num_seqs))
+
+    def start(self, rid: str, prompt: list[int]) -> PrefixPlan:
+        hit = self.bm.lookup(prompt[:-1])
+        plan = plan_prefix_hit(hit.num_tokens, self.runner.config, self.bounded)
+        if plan.hit_tokens < hit.num_tokens:
+            hit = type(hit)(plan.hit_tokens, hit.block_ids[: plan.hit_tokens // self.bm.block_size])
+        self.bm.admit(rid, prompt, hit)
+        self.reqs[rid] = Req(list(prompt), self.free_slots.pop(0), plan, plan.replay_start)
+        return plan
+
+    def step(self, work: dict[str, int]) -> dict[str, np.ndarray]:
+        """Advance each request by up to n tokens; logits of each request's last computed row."""
+        chunks = []
+        for rid, n in work.items():
+            r = self.reqs[rid]
+            start, end = r.computed, min(r.computed + n, len(r.tokens))
+            assert self.bm.allocate(rid, end), "out of blocks"
+            chunks.append(SeqChunk(slot=r.slot, block_table=self.bm.block_table(rid), token_ids=r.tokens[:end],
+                                   start=start, end=end, kv_floor=r.plan.replay_start, write_floor=r.plan.write_floor,
+                                   trim=self.bounded))
+            r.schedule.append((start, end))
+        logits = np.asarray(self.runner.forward(chunks))
+        out = {}
+        for i, rid in enumerate(work):
+            r = self.reqs[rid]
+            r.computed = chunks[i].end
+            self.bm.commit(rid, r.tokens, r.computed)
+            out[rid] = logits[i]
+        return out
+
+    def append(self, rid: str, token: int) -> None:
+        self.reqs[rid].tokens.append(int(token))
+
+    def finish(self, rid: str) -> None:
+        self.bm.free(rid)
+        self.free_slots.append(self.reqs.pop(rid).slot)

@@ -1,0 +1,165 @@
+"""The runtime against the model: replay off == the exact full-sequence forward for any chunking, decode
+and prefix hit; replay on == the bounded-semantics reference (dsv41.bounded); batching independence;
+release-format storage; donation; no compilation outside `precompile`."""
+
+import numpy as np
+import pytest
+
+import dsv41
+from dsv41.bounded import bounded_logits
+from serving.runtime.runner import CompileInServingLoop, Runner, RuntimeConfig
+from tests.serving.driver import Driver
+
+TOL = 1e-5
+RC = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256, block_size=8)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return dsv41.random_model("tiny", seed=1)
+
+
+@pytest.fixture(scope="module")
+def exact(model):
+    r = Runner(model, RuntimeConfig(**RC, swa_bounded_replay=False), progress=False)
+    r.precompile()
+    return r
+
+
+@pytest.fixture(scope="module")
+def bounded(model):
+    r = Runner(model, RuntimeConfig(**RC, swa_bounded_replay=True), progress=False)
+    r.precompile()
+    return r
+
+
+def _prompt(seed, n):
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 512, n)]
+
+
+def _run(driver, rid, chunk_sizes, decode=0):
+    """Prefill in chunks, then greedy decode; {position: logits} of every computed last row."""
+    got = {}
+    for n in chunk_sizes:
+        out = driver.step({rid: n})[rid]
+        got[driver.reqs[rid].computed - 1] = out
+    for _ in range(decode):
+        last = max(got)
+        driver.append(rid, int(np.argmax(got[last])))
+        got[last + 1] = driver.step({rid: 1})[rid]
+    return got
+
+
+def _max_err(got, ref, rows=None):
+    return max(float(np.abs(v - ref[p]).max()) for p, v in got.items() if rows is None or p in rows)
+
+
+@pytest.mark.parametrize("chunks", [[1] * 9 + [32, 32, 4], [3] * 25, [7] * 11, [32, 32, 13]])
+def test_replay_off_any_chunking_equals_full_forward(model, exact, chunks):
+    """Odd lengths, chunks crossing the window (8), the candidate limit (3 blocks x 2 rows) and the
+    ratio-2 groups; Engram look-back crosses every chunk boundary."""
+    d = Driver(exact)
+    d.start("a", _prompt(0, 77))
+    got = _run(d, "a", chunks, decode=3)
+    assert _max_err(got, model.logits(np.array(d.reqs["a"].tokens))) <= TOL
+
+
+def test_replay_off_prefix_hit_equals_cold_run(model, exact):
+    d = Driver(exact)
+    first = _prompt(1, 90)
+    d.start("a", first)
+    _run(d, "a", [32, 32, 26])
+    d.finish("a")
+    second = first[:80] + _prompt(2, 30)
+    plan = d.start("b", second)
+    assert plan.hit_tokens == 80 and plan.replay_start == 80 - 8 * 7  # exact halo L * (W - 1)
+    got = _run(d, "b", [32, 32], decode=2)
+    assert _max_err(got, model.logits(np.array(d.reqs["b"].tokens)), rows=range(80, 200)) <= TOL
+
+
+@pytest.mark.parametrize("chunks", [[32, 32, 13], [5, 20, 32, 20], [1] * 6])
+def test_replay_on_equals_bounded_reference(model, bounded, chunks):
+    d = Driver(bounded)
+    d.start("a", _prompt(3, 77 if len(chunks) > 3 else 65))
+    got = _run(d, "a", chunks, decode=2)
+    r = d.reqs["a"]
+    ref = bounded_logits(model, np.array(r.tokens), chunks=r.schedule)
+    assert _max_err(got, ref) <= TOL
+
+
+def test_replay_on_short_prompt_is_exact(model, bounded, exact):
+    """A prompt no longer than the window trims nothing: replay on gives exactly the replay-off logits."""
+    outs = []
+    for runner in (bounded, exact):
+        d = Driver(runner)
+        d.start("a", _prompt(4, 8))
+        outs.append(_run(d, "a", [8], decode=2))
+    for p in outs[0]:
+        np.testing.assert_array_equal(outs[0][p], outs[1][p])
+
+
+def test_replay_on_prefix_hit_keeps_cached_blocks(model, bounded):
+    d = Driver(bounded)
+    first = _prompt(5, 70)
+    d.start("a", first)
+    _run(d, "a", [32, 32, 6])
+    d.finish("a")
+    second = first[:64] + _prompt(6, 25)
+    plan = d.start("b", second)
+    assert (plan.hit_tokens, plan.replay_start, plan.write_floor) == (64, 56, 64)
+    hit_blocks = d.bm.block_table("b")[:8]
+    before = {g: {s: np.asarray(a)[hit_blocks].copy() for s, a in bounded.cache[g].items()} for g in ("rows", "keys")}
+    got = _run(d, "b", [32, 1], decode=1)
+    for g in before:
+        for s, a in before[g].items():
+            assert np.asarray(bounded.cache[g][s])[hit_blocks].tobytes() == a.tobytes(), (g, s)
+    r = d.reqs["b"]
+    ref = bounded_logits(model, np.array(r.tokens), chunks=r.schedule, hit_tokens=64, replay_start=56)
+    assert _max_err(got, ref) <= TOL
+
+
+def test_mixed_batch_equals_requests_alone(model, exact):
+    """Prefill chunks and decode rows of different requests in one step give each request's own logits."""
+    d = Driver(exact)
+    d.start("a", _prompt(7, 40))
+    d.start("b", _prompt(8, 21))
+    d.start("c", _prompt(9, 10))
+    outs = [d.step({"a": 19, "b": 9, "c": 4}), d.step({"a": 21, "b": 5, "c": 6})]
+    d.append("c", 5)  # c decodes while b still prefills
+    outs.append(d.step({"b": 7, "c": 1}))
+    for rid, pos_out in (("a", [(18, 0), (39, 1)]), ("b", [(8, 0), (13, 1), (20, 2)]),
+                         ("c", [(3, 0), (9, 1), (10, 2)])):
+        full = model.logits(np.array(d.reqs[rid].tokens))
+        for p, step in pos_out:
+            np.testing.assert_allclose(outs[step][rid], full[p], atol=TOL, rtol=0)
+
+
+def test_release_records_are_lossless_with_fake_quant(model):
+    """With fake-quant on, rows are on the FP8 / NVFP4 / MXFP4 grids: storing the release records
+    (528 / 288 / 68 B per row at full size) changes no logit."""
+    outs = []
+    for fmt in ("auto", "release"):
+        r = Runner(model, RuntimeConfig(**RC, kv_cache_dtype=fmt, fake_quant=True), progress=False)
+        r.precompile([("seg1", 16), ("seg1", 8), ("gather", 16, 8), ("gather", 8, 8), ("seg2", 8)])
+        d = Driver(r)
+        d.start("a", _prompt(10, 30))
+        outs.append(_run(d, "a", [16, 8, 6]))
+    assert r.layout.report()["format"] == "release" and r.cache["rows"][4].dtype == np.uint8
+    for p in outs[0]:
+        np.testing.assert_allclose(outs[0][p], outs[1][p], atol=TOL, rtol=0)
+
+
+def test_cache_is_donated_in_place(exact):
+    d = Driver(exact)
+    d.start("a", _prompt(11, 9))
+    ptr = exact.cache["swa"][0].unsafe_buffer_pointer()
+    d.step({"a": 9})
+    assert exact.cache["swa"][0].unsafe_buffer_pointer() == ptr
+
+
+def test_unprecompiled_bucket_is_an_error(model):
+    r = Runner(model, RuntimeConfig(**RC), progress=False)
+    d = Driver(r)
+    d.start("a", _prompt(12, 5))
+    with pytest.raises(CompileInServingLoop, match="not precompiled"):
+        d.step({"a": 5})
