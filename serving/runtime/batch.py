@@ -107,7 +107,8 @@ def build_step(chunks: Sequence[SeqChunk], buckets: Buckets, *, max_blocks: int,
     f = 0
     for r, ch in enumerate(chunks):
         if not 0 <= ch.start < ch.end <= len(ch.token_ids):
-            raise ValueError(f"request in slot {ch.slot}: chunk [{ch.start}, {ch.end}) outside its {len(ch.token_ids)} tokens")
+            raise ValueError(f"request in slot {ch.slot}: chunk [{ch.start}, {ch.end}) outside its "
+                             f"{len(ch.token_ids)} tokens")
         if len(ch.block_table) * block_size < ch.end:
             raise ValueError(f"request in slot {ch.slot}: {len(ch.block_table)} blocks do not cover {ch.end} positions")
         q = ch.num_tokens
@@ -118,7 +119,8 @@ def build_step(chunks: Sequence[SeqChunk], buckets: Buckets, *, max_blocks: int,
         tok["valid"][sl] = True
         keep = min(q, window) if ch.trim else q
         kept_idx.extend(range(f + q - keep, f + q))
-        req["slot"][r], req["start"][r], req["end"][r], req["first"][r], req["qlen"][r] = ch.slot, ch.start, ch.end, f, q
+        req["slot"][r], req["start"][r], req["end"][r] = ch.slot, ch.start, ch.end
+        req["first"][r], req["qlen"][r] = f, q
         req["kv_floor"][r], req["write_floor"][r] = ch.kv_floor, ch.write_floor
         req["dec_floor"][r] = max(ch.kv_floor, ch.end - window) if ch.trim else ch.kv_floor
         req["kept_first"][r], req["kept_qlen"][r] = len(kept_idx) - keep, keep
@@ -143,6 +145,7 @@ def build_step(chunks: Sequence[SeqChunk], buckets: Buckets, *, max_blocks: int,
     kept[: len(kept_idx)] = kept_idx
     step2 = {"kept": kept, "valid": np.arange(T2) < len(kept_idx),
              **{f"req_{k}": v for k, v in req.items()},
-             **_tiles(req["kept_first"][: len(chunks)], req["kept_qlen"][: len(chunks)], buckets.tile, buckets.tiles(T2)),
+             **_tiles(req["kept_first"][: len(chunks)], req["kept_qlen"][: len(chunks)], buckets.tile,
+                      buckets.tiles(T2)),
              "n_iter": step1["n_iter"]}
     return step1, step2

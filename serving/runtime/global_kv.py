@@ -142,9 +142,10 @@ def candidate_topk(layout: CacheLayout, q_Thc: jax.Array, w_Th: jax.Array, pos_T
         rows, _ = tile_rows(tiles, i, T)
         r = tiles.req[i]
         # ascending block ids (missing ones last) so that top-k ties keep the lowest row id
-        cb = jnp.sort(jnp.where(cand_TK[rows] < 0, jnp.iinfo(jnp.int32).max, cand_TK[rows]), axis=-1)
+        big = jnp.iinfo(jnp.int32).max
+        cb = -jax.lax.top_k(-jnp.where(cand_TK[rows] < 0, big, cand_TK[rows]), cand_TK.shape[1])[0]  # TopK, no sort
         rid = (cb[..., None] * cbs + jnp.arange(cbs)).reshape(tiles.size, -1)  # [tile, K * cbs]
-        ok = (cb[..., None] != jnp.iinfo(jnp.int32).max).repeat(cbs, -1).reshape(rid.shape)
+        ok = (cb[..., None] != big).repeat(cbs, -1).reshape(rid.shape)
         ok &= rid < ((pos_T[rows] + 1) // ratio)[:, None]
         rid = jnp.where(ok, rid, 0)
         blk = tiles.block_table[r][jnp.clip(rid // rpb, 0, tiles.block_table.shape[1] - 1)]

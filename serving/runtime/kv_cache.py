@@ -81,7 +81,7 @@ class CacheLayout:
         kw, kdt = self._width("keys")
         S = jax.ShapeDtypeStruct
         return {
-            "swa": {l: S((self.num_slots, W, sw), sdt) for l in range(c.num_hidden_layers)},
+            "swa": {layer: S((self.num_slots, W, sw), sdt) for layer in range(c.num_hidden_layers)},
             "rows": {s: S((self.num_blocks, self.rows_per_block(s), rw), rdt) for s in self.sources},
             "keys": {s: S((self.num_blocks, self.rows_per_block(s), kw), kdt) for s in self.index_sources},
             "tail": {s: S((self.num_slots, 2, c.head_dim), jnp.float32) for s in self.sources

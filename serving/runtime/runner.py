@@ -44,6 +44,7 @@ class RuntimeConfig:
     fake_quant: bool = False
     max_top_k: int = 256  # sampler candidate set
     seed: int = 0
+    token_buckets: tuple[int, ...] | None = None  # default: `token_ladder` up to max_num_batched_tokens
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "tile", "max_top_k"):
@@ -76,21 +77,29 @@ class Runner:
         if memory is None:
             blocks = rc.max_num_seqs * -(-rc.max_model_len // rc.block_size)
             memory = probe.bytes_per_slot() * rc.max_num_seqs + probe.bytes_per_block() * blocks
-        self.layout = kv_cache.plan_layout(c, memory_bytes=memory, block_size=rc.block_size, num_slots=rc.max_num_seqs,
-                                           max_model_len=rc.max_model_len, fmt=rc.kv_cache_dtype, dtype=model.dtype.name)
+        self.layout = kv_cache.plan_layout(c, memory_bytes=memory, block_size=rc.block_size,
+                                           num_slots=rc.max_num_seqs, max_model_len=rc.max_model_len,
+                                           fmt=rc.kv_cache_dtype, dtype=model.dtype.name)
         self.cache = kv_cache.allocate(self.layout)
         self.max_blocks = -(-rc.max_model_len // rc.block_size)
-        self.buckets = Buckets(token_ladder(rc.max_num_batched_tokens, c.sliding_window), rc.max_num_seqs, rc.tile)
+        ladder = tuple(sorted(rc.token_buckets)) if rc.token_buckets else token_ladder(rc.max_num_batched_tokens,
+                                                                                        c.sliding_window)
+        self.buckets = Buckets(ladder, rc.max_num_seqs, rc.tile)
         graphdef, state = nnx.split(model.module)
         self._leaves, treedef = jax.tree.flatten(state)
         merge = functools.partial(_merge, graphdef, treedef)
         kw = dict(tile=rc.tile, fake_quant=rc.fake_quant)
+
+        def seg1(leaves, cache, b):
+            return segments.segment1(merge(leaves), self.layout, cache, b, **kw)
+
+        def seg2(leaves, cache, carry, b):
+            return segments.segment2(merge(leaves), self.layout, cache, carry, b, **kw)
+
         self._fns = {
-            "seg1": jax.jit(lambda leaves, cache, b: segments.segment1(merge(leaves), self.layout, cache, b, **kw),
-                            donate_argnums=1),
+            "seg1": jax.jit(seg1, donate_argnums=1),
             "gather": jax.jit(functools.partial(segments.gather_kept, window=c.sliding_window, tile=rc.tile)),
-            "seg2": jax.jit(lambda leaves, cache, carry, b: segments.segment2(merge(leaves), self.layout, cache, carry, b,
-                                                                              **kw), donate_argnums=1),
+            "seg2": jax.jit(seg2, donate_argnums=1),
             "sample": jax.jit(functools.partial(sample, max_top_k=rc.max_top_k)),
         }
         self._exe: dict[tuple, object] = {}
@@ -103,17 +112,17 @@ class Runner:
         return self._build([ch], token_bucket=T, kept_bucket=T2)
 
     def _build(self, chunks: Sequence[SeqChunk], **forced) -> tuple[dict, dict]:
-        hashes = None
-        if self.model.engram is not None:
-            hashes = lambda ch: self.model.engram.hash_ids(np.asarray(ch.token_ids), self.model.token_map, ch.start)[
-                : ch.num_tokens]  # noqa: E731
+        hashes = self._engram_hashes if self.model.engram is not None else None
         return build_step(chunks, self.buckets, max_blocks=self.max_blocks, window=self.config.sliding_window,
                           block_size=self.layout.block_size, engram_hashes=hashes, **forced)
 
+    def _engram_hashes(self, ch: SeqChunk) -> np.ndarray:
+        """Hash ids of the chunk's rows; the look-back reaches into the request's earlier tokens."""
+        return self.model.engram.hash_ids(np.asarray(ch.token_ids), self.model.token_map, ch.start)
+
     def _compile(self, key: tuple, fn: str, *args) -> None:
         t = time.perf_counter()
-        spec = jax.tree.map(lambda a: a if isinstance(a, jax.ShapeDtypeStruct) else jax.ShapeDtypeStruct(a.shape, a.dtype),
-                            args)
+        spec = jax.tree.map(_spec, args)
         self._exe[key] = self._fns[fn].lower(*spec).compile()
         self.compile_seconds += time.perf_counter() - t
 
@@ -173,7 +182,8 @@ class Runner:
             self.cache, logits = self._exe_for(("seg2", T2))(self._leaves, self.cache, kept, b2)
         return logits
 
-    def step(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams | None]) -> tuple[np.ndarray, np.ndarray]:
+    def step(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams | None]
+             ) -> tuple[np.ndarray, np.ndarray]:
         """Run one step and sample: (token ids, logprobs) of each request (garbage where ch.sample is False)."""
         logits = self.forward(chunks)
         p = sampling_arrays(list(params), [ch.end for ch in chunks], self.rc.max_num_seqs, self.rc.seed)
@@ -181,6 +191,10 @@ class Runner:
             tok, logprob = self._exe_for(("sample",))(logits, p)
         n = len(chunks)
         return np.asarray(tok)[:n], np.asarray(logprob)[:n]
+
+
+def _spec(a) -> jax.ShapeDtypeStruct:
+    return a if isinstance(a, jax.ShapeDtypeStruct) else jax.ShapeDtypeStruct(a.shape, a.dtype)
 
 
 def _merge(graphdef, treedef, leaves):

@@ -44,7 +44,8 @@ def sampling_arrays(params: list[SamplingParams | None], positions: list[int], r
            "seed": np.zeros(rows, np.uint32), "position": np.zeros(rows, np.int32)}
     for i, (p, pos) in enumerate(zip(params, positions)):
         p = p or SamplingParams(temperature=0.0)
-        out["temperature"][i], out["top_k"][i], out["top_p"][i], out["min_p"][i] = p.temperature, p.top_k, p.top_p, p.min_p
+        out["temperature"][i], out["top_k"][i] = p.temperature, p.top_k
+        out["top_p"][i], out["min_p"][i] = p.top_p, p.min_p
         out["seed"][i] = (default_seed + i if p.seed is None else p.seed) & 0xFFFFFFFF
         out["position"][i] = pos
     return out

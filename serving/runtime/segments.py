@@ -68,7 +68,8 @@ class _Layer:
                         candidates=role.is_candidate_source)
                     if role.is_candidate_source:
                         self.candidates = cand
-            topk, rows_cache, rpb = self.topk[role.index_source], cache["rows"][role.kv_source], layout.rows_per_block(role.kv_source)
+            topk, rows_cache = self.topk[role.index_source], cache["rows"][role.kv_source]
+            rpb = layout.rows_per_block(role.kv_source)
         band = band or flat_band(kv, ids_meta.pos, tiles, layout.window)
         o = attention(layout, tiles, q, ids_meta.pos, band, cache["swa"][role.layer_id], attn.attn_sink[...],
                       rows_cache=rows_cache, topk_Tk=topk, rows_per_block=rpb)

@@ -163,3 +163,16 @@ def test_unprecompiled_bucket_is_an_error(model):
     d.start("a", _prompt(12, 5))
     with pytest.raises(CompileInServingLoop, match="not precompiled"):
         d.step({"a": 5})
+
+
+def test_segments_compile_to_topk_without_sort(exact):
+    """Routers, indexers and candidate selection keep XLA's TopK (a sliced top-k over scores turns into a
+    full sort). The only sort allowed orders each query's K candidate block ids (ties -> lowest row)."""
+    import re
+
+    K = exact.config.candidate_topk_blocks
+    for key in (("seg1", 32), ("seg2", 32)):
+        hlo = exact._exe[key].as_text()
+        assert re.search(r"TopK", hlo, re.IGNORECASE), key
+        for shape, dim in re.findall(r"\[([\d,]+)\][^ ]* sort\(.*?dimensions=\{(\d+)\}", hlo):
+            assert int(shape.split(",")[int(dim)]) <= K, (key, shape, dim)

@@ -1,0 +1,132 @@
+"""`python -m serving.bench.prefill`: prefill wall time with CED decoder replay off and on, and decode
+throughput, on the `small` config (or any preset / checkpoint) - the runtime alone, no server.
+
+For each prompt length, a fresh request (no prefix cache) is prefilled in one step; the time runs from
+submitting the step to having the last row's logits on the host, compilation excluded (every bucket is
+precompiled first), median of `--repeats` runs after one warm-up. Decode: `batch` requests with
+`--decode-context` tokens each decode `--decode-steps` tokens together. Prints a table, writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import dsv41
+from serving.runtime.batch import SeqChunk
+from serving.runtime.runner import Runner, RuntimeConfig
+
+
+def _chunk(r: Runner, slot: int, tokens: list[int], start: int, end: int, trim: bool) -> SeqChunk:
+    """Slot s owns blocks [s * max_blocks, (s + 1) * max_blocks): the default cache has exactly those."""
+    first = slot * r.max_blocks
+    blocks = list(range(first, first + -(-end // r.layout.block_size)))
+    return SeqChunk(slot=slot, block_table=blocks, token_ids=tokens[:end], start=start, end=end, trim=trim)
+
+
+def _runner(model, args, lengths, bounded: bool) -> Runner:
+    top = max(max(lengths), max(args.decode_batches))
+    rc = RuntimeConfig(max_num_seqs=max(args.decode_batches), max_num_batched_tokens=top,
+                       max_model_len=max(max(lengths), args.decode_context + args.decode_steps + 1),
+                       block_size=args.block_size, swa_bounded_replay=bounded,
+                       token_buckets=tuple(sorted(set(lengths) | set(args.decode_batches)
+                                                  | {args.decode_context, model.config.sliding_window})))
+    return Runner(model, rc, progress=not args.quiet)
+
+
+def _keys(r: Runner, lengths, args, bounded: bool) -> list[tuple]:
+    W = r.config.sliding_window
+    keys = set()
+    for L in list(lengths) + [args.decode_context]:
+        kept = min(L, W) if bounded else L
+        keys |= {("seg1", L), ("gather", L, r.buckets.token_bucket(kept)), ("seg2", r.buckets.token_bucket(kept))}
+    for B in args.decode_batches:
+        T = r.buckets.token_bucket(B)
+        keys |= {("seg1", T), ("gather", T, T), ("seg2", T)}
+    return sorted(keys | {("sample",)})
+
+
+def bench_prefill(r: Runner, L: int, repeats: int, bounded: bool, vocab: int) -> list[float]:
+    times = []
+    for i in range(repeats + 1):
+        tokens = [int(t) for t in np.random.default_rng(i).integers(3, vocab, L)]
+        t = time.perf_counter()
+        np.asarray(r.forward([_chunk(r, 0, tokens, 0, L, bounded)]))
+        if i:  # the first run warms caches and allocators
+            times.append(time.perf_counter() - t)
+    return times
+
+
+def bench_decode(r: Runner, B: int, context: int, steps: int, vocab: int) -> float:
+    seqs = [[int(t) for t in np.random.default_rng(100 + s).integers(3, vocab, context)] for s in range(B)]
+    for s in range(B):
+        r.forward([_chunk(r, s, seqs[s], 0, context, True)])
+    times = []
+    for step in range(steps + 1):
+        chunks = []
+        for s in range(B):
+            seqs[s].append(7)
+            n = len(seqs[s])
+            chunks.append(_chunk(r, s, seqs[s], n - 1, n, True))
+        t = time.perf_counter()
+        np.asarray(r.step(chunks, [None] * B)[0])
+        if step:
+            times.append(time.perf_counter() - t)
+    return B / statistics.median(times)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m serving.bench.prefill", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="small", help="preset or checkpoint folder (default: small, random weights)")
+    ap.add_argument("--lengths", default="1024,2048,4096,8192")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--decode-batches", default="1,8,32")
+    ap.add_argument("--decode-context", type=int, default=1024)
+    ap.add_argument("--decode-steps", type=int, default=8)
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--out", default="bench_prefill.json")
+    ap.add_argument("--quiet", action="store_true")
+    args = ap.parse_args(argv)
+    args.decode_batches = [int(x) for x in args.decode_batches.split(",")]
+    lengths = [int(x) for x in args.lengths.split(",")]
+    model = (dsv41.random_model(args.model, dtype=args.dtype) if args.model in dsv41.PRESETS
+             else dsv41.load(args.model, dtype=args.dtype))
+    vocab = model.config.vocab_size
+    result = {"model": args.model, "dtype": args.dtype, "repeats": args.repeats, "prefill": {}, "decode": {},
+              "compile_seconds": {}}
+    for bounded in (False, True):
+        mode = "replay_on" if bounded else "replay_off"
+        r = _runner(model, args, lengths, bounded)
+        result["compile_seconds"][mode] = round(r.precompile(_keys(r, lengths, args, bounded)), 1)
+        for L in lengths:
+            times = bench_prefill(r, L, args.repeats, bounded, vocab)
+            result["prefill"].setdefault(str(L), {})[mode] = {"median_s": statistics.median(times), "runs_s": times}
+        if bounded:
+            for B in args.decode_batches:
+                result["decode"][str(B)] = {"tokens_per_s": bench_decode(r, B, args.decode_context,
+                                                                         args.decode_steps, vocab)}
+        del r
+    lines = [f"prefill, {args.model} ({args.dtype}), median of {args.repeats} after warm-up, compile excluded",
+             f"{'tokens':>7} {'replay off (s)':>15} {'replay on (s)':>14} {'on/off':>7}"]
+    for L in lengths:
+        p = result["prefill"][str(L)]
+        p["ratio"] = p["replay_on"]["median_s"] / p["replay_off"]["median_s"]
+        off, on = p["replay_off"]["median_s"], p["replay_on"]["median_s"]
+        lines.append(f"{L:>7} {off:>15.3f} {on:>14.3f} {p['ratio']:>7.2f}")
+    lines += ["", f"decode, context {args.decode_context}", f"{'batch':>7} {'tokens/s':>10}"]
+    lines += [f"{B:>7} {result['decode'][str(B)]['tokens_per_s']:>10.1f}" for B in args.decode_batches]
+    print("\n".join(lines))
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""On-device sampling: per-request parameters as arrays, seeds, filters, and no sort in the HLO."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from serving.runtime.sampler import SamplingParams, sample, sampling_arrays
+
+V = 300
+
+
+def _run(logits, params, positions=None):
+    p = sampling_arrays(params, positions or [0] * len(params), len(params), default_seed=0)
+    tok, lp = jax.jit(sample, static_argnames="max_top_k")(jnp.asarray(logits), p, max_top_k=64)
+    return np.asarray(tok), np.asarray(lp)
+
+
+def test_greedy_and_logprob():
+    logits = np.random.default_rng(0).standard_normal((3, V)).astype(np.float32)
+    tok, lp = _run(logits, [SamplingParams(temperature=0.0)] * 3)
+    assert (tok == logits.argmax(1)).all()
+    ref = logits - np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1, keepdims=True)) - logits.max(1, keepdims=True)
+    np.testing.assert_allclose(lp, ref[np.arange(3), tok], rtol=1e-5)
+
+
+def test_filters_restrict_the_choice():
+    logits = np.random.default_rng(1).standard_normal((64, V)).astype(np.float32) * 3
+    top5 = np.argsort(-logits, axis=1)[:, :5]
+    tok, _ = _run(logits, [SamplingParams(temperature=1.0, top_k=5, seed=i) for i in range(64)])
+    assert all(t in top5[i] for i, t in enumerate(tok))
+    tok1, _ = _run(logits, [SamplingParams(temperature=2.0, top_k=1, seed=i) for i in range(64)])
+    assert (tok1 == logits.argmax(1)).all()
+    tokp, _ = _run(logits, [SamplingParams(temperature=1.0, top_p=1e-6, seed=i) for i in range(64)])
+    assert (tokp == logits.argmax(1)).all()  # the nucleus of a tiny p is the top token
+    tokm, _ = _run(logits, [SamplingParams(temperature=1.0, min_p=0.999, seed=i) for i in range(64)])
+    assert (tokm == logits.argmax(1)).all()
+
+
+def test_unfiltered_sampling_follows_the_distribution():
+    logits = np.log(np.array([[0.5, 0.3, 0.2] + [1e-9] * (V - 3)], np.float32)).repeat(1, 0)
+    counts = np.zeros(3)
+    p = [SamplingParams(temperature=1.0, seed=7)]
+    for pos in range(3000):
+        t, _ = _run(logits, p, [pos])
+        counts[t[0]] += 1
+    np.testing.assert_allclose(counts / 3000, [0.5, 0.3, 0.2], atol=0.035)
+
+
+def test_seeds_reproduce_independently_of_the_batch():
+    logits = np.random.default_rng(2).standard_normal((4, V)).astype(np.float32)
+    a, _ = _run(logits, [SamplingParams(seed=5), None, SamplingParams(seed=9, top_p=0.9), None], [10, 3, 4, 5])
+    b, _ = _run(logits[[0, 2]], [SamplingParams(seed=5), SamplingParams(seed=9, top_p=0.9)], [10, 4])
+    assert a[0] == b[0] and a[2] == b[1]
+
+
+def test_parameters_change_without_recompiling_and_hlo_has_no_sort():
+    f = jax.jit(lambda logits, p: sample(logits, p, max_top_k=64))
+    logits = jnp.zeros((4, V))
+    f(logits, sampling_arrays([None] * 4, [0] * 4, 4, 0))
+    f(logits, sampling_arrays([SamplingParams(top_k=3, top_p=0.5, temperature=0.7)] * 4, [1] * 4, 4, 0))
+    assert f._cache_size() == 1
+    hlo = f.lower(logits, sampling_arrays([None] * 4, [0] * 4, 4, 0)).compile().as_text()
+    assert not re.search(r"\bsort\(", hlo) and re.search(r"TopK", hlo, re.IGNORECASE)
+
+
+def test_bad_parameters_name_the_field():
+    for kw, msg in ((dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=-2), "top_k"),
+                    (dict(min_p=2), "min_p")):
+        with pytest.raises(ValueError, match=msg):
+            SamplingParams(**kw)
