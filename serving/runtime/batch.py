@@ -14,6 +14,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from serving.runtime.decoder_replay import kept_rows
+
 
 @dataclass
 class SeqChunk:
@@ -117,12 +119,12 @@ def build_step(chunks: Sequence[SeqChunk], buckets: Buckets, *, max_blocks: int,
         tok["pos"][sl] = np.arange(ch.start, ch.end)
         tok["req"][sl] = r
         tok["valid"][sl] = True
-        keep = min(q, window) if ch.trim else q
+        keep, dec_floor = kept_rows(q, ch.end, ch.kv_floor, window, ch.trim)
         kept_idx.extend(range(f + q - keep, f + q))
         req["slot"][r], req["start"][r], req["end"][r] = ch.slot, ch.start, ch.end
         req["first"][r], req["qlen"][r] = f, q
         req["kv_floor"][r], req["write_floor"][r] = ch.kv_floor, ch.write_floor
-        req["dec_floor"][r] = max(ch.kv_floor, ch.end - window) if ch.trim else ch.kv_floor
+        req["dec_floor"][r] = dec_floor
         req["kept_first"][r], req["kept_qlen"][r] = len(kept_idx) - keep, keep
         req["logit_row"][r] = len(kept_idx) - 1
         req["block_table"][r, : len(ch.block_table)] = ch.block_table

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 import dsv41
-from serving.runtime import kv_cache, segments
+from serving.runtime import decoder_replay, kv_cache, segments
 from serving.runtime.batch import Buckets, SeqChunk, build_step, token_ladder
 from serving.runtime.kv_cache import CacheLayout
 from serving.runtime.sampler import SamplingParams, sample, sampling_arrays
@@ -91,14 +91,16 @@ class Runner:
         kw = dict(tile=rc.tile, fake_quant=rc.fake_quant)
 
         def seg1(leaves, cache, b):
-            return segments.segment1(merge(leaves), self.layout, cache, b, **kw)
+            with jax.named_scope("segment1"):
+                return segments.segment1(merge(leaves), self.layout, cache, b, **kw)
 
         def seg2(leaves, cache, carry, b):
-            return segments.segment2(merge(leaves), self.layout, cache, carry, b, **kw)
+            with jax.named_scope("segment2"):
+                return segments.segment2(merge(leaves), self.layout, cache, carry, b, **kw)
 
         self._fns = {
             "seg1": jax.jit(seg1, donate_argnums=1),
-            "gather": jax.jit(functools.partial(segments.gather_kept, window=c.sliding_window, tile=rc.tile)),
+            "gather": jax.jit(functools.partial(decoder_replay.gather_kept, window=c.sliding_window, tile=rc.tile)),
             "seg2": jax.jit(seg2, donate_argnums=1),
             "sample": jax.jit(functools.partial(sample, max_top_k=rc.max_top_k)),
         }

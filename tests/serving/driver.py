@@ -21,6 +21,7 @@ class Req:
     plan: PrefixPlan
     computed: int
     schedule: list[tuple[int, int]] = field(default_factory=list)  # (start, end) of every step
+    keep_all: bool = False  # e.g. prompt logprobs: no decoder-replay trimming
 
 
 class Driver:
@@ -31,13 +32,13 @@ class Driver:
         self.reqs: dict[str, Req] = {}
         self.free_slots = list(range(runner.rc.max_num_seqs))
 
-    def start(self, rid: str, prompt: list[int]) -> PrefixPlan:
+    def start(self, rid: str, prompt: list[int], keep_all: bool = False) -> PrefixPlan:
         hit = self.bm.lookup(prompt[:-1])
         plan = plan_prefix_hit(hit.num_tokens, self.runner.config, self.bounded)
         if plan.hit_tokens < hit.num_tokens:
             hit = type(hit)(plan.hit_tokens, hit.block_ids[: plan.hit_tokens // self.bm.block_size])
         self.bm.admit(rid, prompt, hit)
-        self.reqs[rid] = Req(list(prompt), self.free_slots.pop(0), plan, plan.replay_start)
+        self.reqs[rid] = Req(list(prompt), self.free_slots.pop(0), plan, plan.replay_start, keep_all=keep_all)
         return plan
 
     def step(self, work: dict[str, int]) -> dict[str, np.ndarray]:
@@ -49,7 +50,7 @@ class Driver:
             assert self.bm.allocate(rid, end), "out of blocks"
             chunks.append(SeqChunk(slot=r.slot, block_table=self.bm.block_table(rid), token_ids=r.tokens[:end],
                                    start=start, end=end, kv_floor=r.plan.replay_start, write_floor=r.plan.write_floor,
-                                   trim=self.bounded))
+                                   trim=self.bounded and not r.keep_all))
             r.schedule.append((start, end))
         logits = np.asarray(self.runner.forward(chunks))
         out = {}

@@ -176,3 +176,25 @@ def test_segments_compile_to_topk_without_sort(exact):
         assert re.search(r"TopK", hlo, re.IGNORECASE), key
         for shape, dim in re.findall(r"\[([\d,]+)\][^ ]* sort\(.*?dimensions=\{(\d+)\}", hlo):
             assert int(shape.split(",")[int(dim)]) <= K, (key, shape, dim)
+
+
+def test_keep_all_request_is_not_trimmed(model, bounded):
+    """A request that keeps all rows (prompt logprobs) runs every layer on every row even with replay on."""
+    d = Driver(bounded)
+    d.start("a", _prompt(13, 50), keep_all=True)
+    got = _run(d, "a", [32, 18], decode=1)
+    r = d.reqs["a"]
+    assert _max_err(got, bounded_logits(model, np.array(r.tokens), chunks=r.schedule, decoder_replay=False)) <= TOL
+    assert _max_err(got, model.logits(np.array(r.tokens))) <= TOL
+
+
+def test_prefix_hit_plans():
+    from serving.runtime.encoder_replay import plan_prefix_hit, replay_length
+
+    c = dsv41.ModelConfig.preset("v41-flash")
+    assert replay_length(c, bounded=True) == 128 and replay_length(c, bounded=False) == 40 * 127
+    assert plan_prefix_hit(128, c, bounded=True).hit_tokens == 0  # hits <= window are not adopted
+    p = plan_prefix_hit(1024, c, bounded=True)
+    assert (p.hit_tokens, p.replay_start, p.write_floor, p.replayed) == (1024, 896, 1024, 128)
+    assert plan_prefix_hit(5080, c, bounded=False).hit_tokens == 0
+    assert plan_prefix_hit(6144, c, bounded=False).replay_start == 6144 - 5080
