@@ -44,10 +44,10 @@ def _keys(r: Runner, lengths, args, bounded: bool) -> list[tuple]:
     keys = set()
     for L in list(lengths) + [args.decode_context]:
         kept = min(L, W) if bounded else L
-        keys |= {("seg1", L), ("gather", L, r.buckets.token_bucket(kept)), ("seg2", r.buckets.token_bucket(kept))}
+        keys |= {("seg1", L), ("seg2", r.buckets.token_bucket(kept))}
     for B in args.decode_batches:
         T = r.buckets.token_bucket(B)
-        keys |= {("seg1", T), ("gather", T, T), ("seg2", T)}
+        keys |= {("seg1", T), ("seg2", T)}
     return sorted(keys | {("sample",)})
 
 

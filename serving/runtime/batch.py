@@ -55,9 +55,9 @@ class Buckets:
         return -(-tokens // self.tile) + min(tokens, self.max_num_seqs)
 
 
-def token_ladder(max_tokens: int, window: int, smallest: int = 8) -> tuple[int, ...]:
-    """Powers of two up to the window, then multiples of the window (coarser when large, as vLLM's replay
-    capture sizes), ending at max_tokens."""
+def token_ladder(max_tokens: int, window: int, smallest: int = 1) -> tuple[int, ...]:
+    """Powers of two from `smallest` up to the window (decode batches), then multiples of the window
+    (coarser when large, as vLLM's replay capture sizes), ending at max_tokens."""
     out, b = [], smallest
     while b < min(window, max_tokens):
         out.append(b)

@@ -2,7 +2,7 @@
 donated through every call, on-device sampling.
 
 Shapes are bucketed: segment 1 by the step's token count, segment 2 by its kept-row count (the CED
-trimming), the kept-row gather by the pair, the sampler once. Every bucket is compiled ahead of time
+trimming), the sampler once. Every bucket is compiled ahead of time
 (`precompile`, with a progress bar); a step whose bucket was not compiled raises instead of compiling in
 the serving loop. One step = one host->device call per function and one device->host copy: the tokens.
 """
@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 import dsv41
-from serving.runtime import decoder_replay, kv_cache, segments
+from serving.runtime import kv_cache, segments
 from serving.runtime.batch import Buckets, SeqChunk, build_step, token_ladder
 from serving.runtime.kv_cache import CacheLayout
 from serving.runtime.sampler import SamplingParams, sample, sampling_arrays
@@ -90,20 +90,22 @@ class Runner:
         merge = functools.partial(_merge, graphdef, treedef)
         kw = dict(tile=rc.tile, fake_quant=rc.fake_quant)
 
-        def seg1(leaves, cache, b):
+        def seg1(leaves, cache, carry_buf, b):
             with jax.named_scope("segment1"):
-                return segments.segment1(merge(leaves), self.layout, cache, b, **kw)
+                return segments.segment1(merge(leaves), self.layout, cache, carry_buf, b, **kw)
 
-        def seg2(leaves, cache, carry, b):
+        def seg2(leaves, cache, carry_buf, b):
             with jax.named_scope("segment2"):
-                return segments.segment2(merge(leaves), self.layout, cache, carry, b, **kw)
+                return segments.segment2(merge(leaves), self.layout, cache, carry_buf, b, **kw)
 
-        self._fns = {
-            "seg1": jax.jit(seg1, donate_argnums=1),
-            "gather": jax.jit(functools.partial(decoder_replay.gather_kept, window=c.sliding_window, tile=rc.tile)),
-            "seg2": jax.jit(seg2, donate_argnums=1),
-            "sample": jax.jit(functools.partial(sample, max_top_k=rc.max_top_k)),
-        }
+        self._fns = {"seg1": jax.jit(seg1, donate_argnums=(1, 2)), "seg2": jax.jit(seg2, donate_argnums=1),
+                     "sample": jax.jit(functools.partial(sample, max_top_k=rc.max_top_k))}
+        # Segment 1 leaves its rows in a persistent buffer of the largest bucket, which segment 2 reads: the
+        # kept-row gather then lives in segment 2 and no function is compiled per (tokens, kept rows) pair.
+        top = self.buckets.tokens[-1]
+        b1, _ = self._example(top, top)
+        spec = jax.eval_shape(lambda lv, ca, b: seg1(lv, ca, None, b)[1], self._leaves, self.cache, b1)
+        self.carry_buf = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), spec)
         self._exe: dict[tuple, object] = {}
         self.progress = progress
         self.compile_seconds = 0.0
@@ -130,8 +132,7 @@ class Runner:
 
     def bucket_keys(self) -> list[tuple]:
         T = self.buckets.tokens
-        return ([("seg1", t) for t in T] + [("seg2", t) for t in T]
-                + [("gather", t, t2) for t in T for t2 in T if t2 <= t] + [("sample",)])
+        return [("seg1", t) for t in T] + [("seg2", t) for t in T] + [("sample",)]
 
     def precompile(self, keys: Sequence[tuple] | None = None) -> float:
         """Compile every bucket (or `keys`); returns the seconds spent."""
@@ -148,22 +149,16 @@ class Runner:
         name = key[0]
         if name == "seg1":
             b1, _ = self._example(key[1], key[1])
-            self._compile(key, "seg1", self._leaves, self.cache, b1)
+            self._compile(key, "seg1", self._leaves, self.cache, self.carry_buf, b1)
         elif name == "seg2":
-            b1, b2 = self._example(key[1], key[1])
-            carry = jax.eval_shape(self._fns["gather"], self._carry_spec(key[1]), b1, b2)
-            self._compile(key, "seg2", self._leaves, self.cache, carry, b2)
-        elif name == "gather":
-            b1, b2 = self._example(key[1], key[2])
-            self._compile(key, "gather", self._carry_spec(key[1]), b1, b2)
-        else:
+            _, b2 = self._example(key[1], key[1])
+            self._compile(key, "seg2", self._leaves, self.cache, self.carry_buf, b2)
+        elif name == "sample":
             R, V = self.rc.max_num_seqs, self.config.vocab_size
             p = sampling_arrays([], [], R, 0)
             self._compile(key, "sample", jax.ShapeDtypeStruct((R, V), jnp.float32), p)
-
-    def _carry_spec(self, T: int):
-        b1, _ = self._example(T, T)
-        return jax.eval_shape(self._fns["seg1"], self._leaves, self.cache, b1)[1]
+        else:
+            raise ValueError(f"unknown bucket key {key}; keys are ('seg1', T), ('seg2', T), ('sample',)")
 
     def _exe_for(self, key: tuple):
         exe = self._exe.get(key)
@@ -178,10 +173,9 @@ class Runner:
             b1, b2 = self._build(chunks)
         T, T2 = len(b1["ids"]), len(b2["kept"])
         with jax.profiler.TraceAnnotation("runner.segment1"):
-            self.cache, carry = self._exe_for(("seg1", T))(self._leaves, self.cache, b1)
+            self.cache, self.carry_buf = self._exe_for(("seg1", T))(self._leaves, self.cache, self.carry_buf, b1)
         with jax.profiler.TraceAnnotation("runner.segment2"):
-            kept = self._exe_for(("gather", T, T2))(carry, b1, b2)
-            self.cache, logits = self._exe_for(("seg2", T2))(self._leaves, self.cache, kept, b2)
+            self.cache, logits = self._exe_for(("seg2", T2))(self._leaves, self.cache, self.carry_buf, b2)
         return logits
 
     def step(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams | None]

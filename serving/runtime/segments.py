@@ -19,6 +19,7 @@ from dsv41.layers.mhc import HcMix, hc_collapse
 from dsv41.layers.rope import inv_freq, rope_angles
 from serving.runtime import global_kv
 from serving.runtime.attention import Tiles, attention, flat_band, gathered_band, write_ring
+from serving.runtime.decoder_replay import gather_kept
 from serving.runtime.global_kv import TokenMeta
 from serving.runtime.kv_cache import CacheLayout
 
@@ -79,7 +80,7 @@ class _Layer:
         return attn.output(o, cos, sin, x.dtype), cache
 
 
-def segment1(module, layout: CacheLayout, cache: dict, b: dict, *, tile: int, fake_quant: bool
+def segment1(module, layout: CacheLayout, cache: dict, carry_buf: dict, b: dict, *, tile: int, fake_quant: bool
              ) -> tuple[dict, dict]:
     c, cut = layout.config, layout.config.cut_layer
     req = _req(b)
@@ -103,12 +104,18 @@ def segment1(module, layout: CacheLayout, cache: dict, b: dict, *, tile: int, fa
             cache = global_kv.publish_source(layout, block, x, meta, req, cache, fake_quant)
     carry = {"R": R, "x": x, "pre": mix.pre, "post": mix.post, "comb": mix.comb, "kv": kv, "ids": b["ids"],
              "pos": b["pos"], "req": b["req"], "topk": layer.topk, "candidates": layer.candidates}
-    return cache, carry
+    carry = {n: v for n, v in carry.items() if v is not None}
+    if carry_buf is None:  # shape probe: the carry of this bucket
+        return cache, carry
+    # Rows [0, T) of the persistent max-size buffer: segment 2's input shapes then depend on its own bucket only.
+    return cache, jax.tree.map(lambda buf, a: jax.lax.dynamic_update_slice_in_dim(buf, a.astype(buf.dtype), 0, 0),
+                               carry_buf, carry)
 
 
-def segment2(module, layout: CacheLayout, cache: dict, carry: dict, b: dict, *, tile: int, fake_quant: bool
+def segment2(module, layout: CacheLayout, cache: dict, carry_buf: dict, b: dict, *, tile: int, fake_quant: bool
              ) -> tuple[dict, jax.Array]:
     c, cut = layout.config, layout.config.cut_layer
+    carry = gather_kept(carry_buf, b, window=layout.window, tile=tile)
     req = _req(b)
     meta = TokenMeta(carry["pos"], carry["req"], b["valid"])
     size = tile
