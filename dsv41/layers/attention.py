@@ -88,9 +88,15 @@ def sparse_attention(q_THd: jax.Array, kv_Sd: jax.Array, swa_mask_TS: jax.Array,
         keys.append((rows_Nd.astype(jnp.float32), rows_mask_TN))
     logits = [jnp.where(m[:, None, :], jnp.einsum("thd,sd->ths", q, k, precision=prec) * scale, -jnp.inf)
               for k, m in keys]
-    sink = jnp.broadcast_to(sink_H.astype(jnp.float32)[None, :, None], (q.shape[0], q.shape[1], 1))
-    m = jnp.max(jnp.concatenate([*logits, sink], axis=-1), axis=-1, keepdims=True)
-    probs = [jnp.exp(s - m) for s in logits]
-    denom = jnp.exp(sink - m) + sum(jnp.sum(p, axis=-1, keepdims=True) for p in probs)
+    probs, denom = sink_softmax(logits, sink_H)
     out = sum(jnp.einsum("ths,sd->thd", p, k, precision=prec) for p, (k, _) in zip(probs, keys))
     return out / denom
+
+
+def sink_softmax(logits: list[jax.Array], sink_H: jax.Array) -> tuple[list[jax.Array], jax.Array]:
+    """Unnormalised probabilities of several key blocks [.., H, K_i] sharing one softmax whose denominator
+    also holds exp(sink_h) (the sink adds no value), and that denominator [.., H, 1]."""
+    sink = jnp.broadcast_to(sink_H.astype(jnp.float32)[:, None], (*logits[0].shape[:-1], 1))
+    m = jnp.max(jnp.concatenate([*logits, sink], axis=-1), axis=-1, keepdims=True)
+    probs = [jnp.exp(s - m) for s in logits]
+    return probs, jnp.exp(sink - m) + sum(jnp.sum(p, axis=-1, keepdims=True) for p in probs)

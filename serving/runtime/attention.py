@@ -16,6 +16,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from dsv41.layers.attention import sink_softmax
 from serving.runtime import kv_cache
 from serving.runtime.kv_cache import CacheLayout
 
@@ -99,10 +100,7 @@ def attention(layout: CacheLayout, tiles: Tiles, q_THd: jax.Array, pos_T: jax.Ar
             logits.append(jnp.where((idx >= 0)[:, None], jnp.einsum("uhd,ukd->uhk", q, g, precision=prec) * scale,
                                     -jnp.inf))
             values.append(g)
-        sink = jnp.broadcast_to(sink_H.astype(jnp.float32)[None, :, None], (q.shape[0], H, 1))
-        m = jnp.max(jnp.concatenate([*logits, sink], axis=-1), axis=-1, keepdims=True)
-        probs = [jnp.exp(s - m) for s in logits]
-        denom = jnp.exp(sink - m) + sum(jnp.sum(p, -1, keepdims=True) for p in probs)
+        probs, denom = sink_softmax(logits, sink_H)
         out = jnp.einsum("uhk,kd->uhd", probs[0], values[0], precision=prec)
         if len(probs) > 1:
             out = out + jnp.einsum("uhk,ukd->uhd", probs[1], values[1], precision=prec)

@@ -9,7 +9,7 @@ from what the scheduler already knows (positions, slots, block tables): the devi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -30,7 +30,6 @@ class SeqChunk:
     write_floor: int = 0  # global / index rows whose last token is below this are not written (the hit)
     trim: bool = False  # decoder replay: only the last `window` rows run the layers after the cut
     sample: bool = True  # produce logits for position end - 1
-    sampling: dict = field(default_factory=dict)  # temperature, top_k, top_p, min_p, seed
 
     @property
     def num_tokens(self) -> int:
