@@ -166,6 +166,15 @@ class Runner:
             raise CompileInServingLoop(f"bucket {key} was not precompiled")
         return exe
 
+    def kv_report(self) -> dict:
+        """Bytes of the live cache arrays: per token of the paged (prefix-cacheable) groups, per request slot
+        of the private ones (SWA rings, tails)."""
+        L = self.layout
+        paged = sum(a.nbytes for g in ("rows", "keys") for a in self.cache[g].values())
+        private = sum(a.nbytes for g in ("swa", "tail") for a in self.cache[g].values())
+        return {**L.report(), "global_bytes_per_token": paged / (L.num_blocks * L.block_size),
+                "swa_and_tail_bytes_per_request": private / L.num_slots, "total_bytes": paged + private}
+
     # ------------------------------------------------------------------ execution
     def forward(self, chunks: Sequence[SeqChunk]) -> jax.Array:
         """Run one step; the logits [max_num_seqs, vocab] of each request's last row (device array)."""

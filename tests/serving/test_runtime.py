@@ -198,3 +198,13 @@ def test_prefix_hit_plans():
     assert (p.hit_tokens, p.replay_start, p.write_floor, p.replayed) == (1024, 896, 1024, 128)
     assert plan_prefix_hit(5080, c, bounded=False).hit_tokens == 0
     assert plan_prefix_hit(6144, c, bounded=False).replay_start == 6144 - 5080
+
+
+def test_live_allocation_report(exact):
+    """Bytes measured on the allocated arrays agree with the layout's arithmetic (tiny, float32: 0.5 ratio-2
+    rows + 1 ratio-1 row per token of 32 + 16 floats; 8 rings of 8 x 32 floats + one ratio-2 tail)."""
+    live, planned = exact.kv_report(), exact.layout.report()
+    for k in ("global_bytes_per_token", "swa_and_tail_bytes_per_request", "total_bytes"):
+        assert live[k] == planned[k], k
+    assert live["global_bytes_per_token"] == 1.5 * (32 + 16) * 4
+    assert live["swa_and_tail_bytes_per_request"] == 8 * 8 * 32 * 4 + 2 * 32 * 4
