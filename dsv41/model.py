@@ -136,6 +136,11 @@ def _backbone_attention(c: ModelConfig, positions: jax.Array, pub: _Published, f
     return attend
 
 
+def _embed_streams(model: Transformer, ids_T: jax.Array) -> jax.Array:
+    e = model.embed(ids_T)
+    return jnp.broadcast_to(e[:, None, :], (e.shape[0], model.config.hc_mult, e.shape[1]))
+
+
 def forward_hidden(model: Transformer, ids_T: jax.Array, engram_hashes: jax.Array | None = None, *,
                    fake_quant: bool = False, capture: tuple[int, ...] = (), swa_floor: jax.Array | None = None,
                    decoder_floor: jax.Array | None = None, frozen: dict | None = None
@@ -147,12 +152,10 @@ def forward_hidden(model: Transformer, ids_T: jax.Array, engram_hashes: jax.Arra
     replay), `frozen` {KV source: (rows, index keys)} pins the rows a prefix-cache hit holds.
     """
     c = model.config
-    positions = jnp.arange(ids_T.shape[0])
-    e = model.embed(ids_T)
-    R = jnp.broadcast_to(e[:, None, :], (e.shape[0], c.hc_mult, e.shape[1]))
-    attend = _backbone_attention(c, positions, _Published(), fake_quant, swa_floor, decoder_floor, frozen)
-    R, pre, captured = run_blocks(model.layers, c, R, ids_T, attend, engram_hashes=engram_hashes,
-                                  capture=capture)
+    attend = _backbone_attention(c, jnp.arange(ids_T.shape[0]), _Published(), fake_quant, swa_floor,
+                                 decoder_floor, frozen)
+    R, pre, captured = run_blocks(model.layers, c, _embed_streams(model, ids_T), ids_T, attend,
+                                  engram_hashes=engram_hashes, capture=capture)
     h = model.hc_head(R) if model.hc_head is not None else hc_collapse(R, pre)
     return model.norm(h), captured
 
@@ -166,12 +169,11 @@ def forward(model: Transformer, ids_T: jax.Array, engram_hashes: jax.Array | Non
 
 def published_rows(model: Transformer, ids_T: jax.Array, engram_hashes: jax.Array | None = None, *,
                    fake_quant: bool = False) -> dict[int, tuple[jax.Array, jax.Array]]:
-    """{KV source: (global rows, index keys)} of a cold full-sequence pass (what a prefix cache holds)."""
+    """{KV source: (global rows, index keys)} of a cold full-sequence pass (what a prefix cache holds):
+    only the layers up to the last KV source run."""
     c = model.config
     pub = _Published()
-    positions = jnp.arange(ids_T.shape[0])
-    e = model.embed(ids_T)
-    R = jnp.broadcast_to(e[:, None, :], (e.shape[0], c.hc_mult, e.shape[1]))
-    run_blocks(model.layers, c, R, ids_T, _backbone_attention(c, positions, pub, fake_quant),
-               engram_hashes=engram_hashes)
+    last = max(r.layer_id for r in c.roles if r.is_kv_source)
+    run_blocks(model.layers[: last + 1], c, _embed_streams(model, ids_T), ids_T,
+               _backbone_attention(c, jnp.arange(ids_T.shape[0]), pub, fake_quant), engram_hashes=engram_hashes)
     return {s: (pub.rows[s], pub.index_keys[s]) for s in pub.rows}

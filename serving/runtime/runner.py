@@ -121,8 +121,10 @@ class Runner:
                           block_size=self.layout.block_size, engram_hashes=hashes, **forced)
 
     def _engram_hashes(self, ch: SeqChunk) -> np.ndarray:
-        """Hash ids of the chunk's rows; the look-back reaches into the request's earlier tokens."""
-        return self.model.engram.hash_ids(np.asarray(ch.token_ids), self.model.token_map, ch.start)
+        """Hash ids of the chunk's rows; the look-back reaches (max_ngram - 1) tokens before the chunk, so
+        only those and the chunk are hashed (a decode step costs O(1), not O(context))."""
+        lo = max(0, ch.start - (self.model.engram.max_ngram - 1))
+        return self.model.engram.hash_ids(np.asarray(ch.token_ids[lo:ch.end]), self.model.token_map, ch.start - lo)
 
     def _compile(self, key: tuple, fn: str, *args) -> None:
         t = time.perf_counter()
