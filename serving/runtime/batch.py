@@ -30,6 +30,7 @@ class SeqChunk:
     write_floor: int = 0  # global / index rows whose last token is below this are not written (the hit)
     trim: bool = False  # decoder replay: only the last `window` rows run the layers after the cut
     sample: bool = True  # produce logits for position end - 1
+    row_logprobs: bool = False  # prompt logprobs: log-probabilities of every row's next token (needs trim off)
 
     @property
     def num_tokens(self) -> int:
@@ -110,6 +111,8 @@ def build_step(chunks: Sequence[SeqChunk], buckets: Buckets, *, max_blocks: int,
         if not 0 <= ch.start < ch.end <= len(ch.token_ids):
             raise ValueError(f"request in slot {ch.slot}: chunk [{ch.start}, {ch.end}) outside its "
                              f"{len(ch.token_ids)} tokens")
+        if ch.row_logprobs and ch.trim:
+            raise ValueError(f"request in slot {ch.slot}: row logprobs need every row kept (trim=False)")
         if len(ch.block_table) * block_size < ch.end:
             raise ValueError(f"request in slot {ch.slot}: {len(ch.block_table)} blocks do not cover {ch.end} positions")
         q = ch.num_tokens

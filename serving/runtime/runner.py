@@ -13,7 +13,7 @@ import functools
 import sys
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -24,11 +24,30 @@ import dsv41
 from serving.runtime import kv_cache, segments
 from serving.runtime.batch import Buckets, SeqChunk, build_step, token_ladder
 from serving.runtime.kv_cache import CacheLayout
-from serving.runtime.sampler import SamplingParams, sample, sampling_arrays
+from serving.runtime.sampler import sample, sampling_arrays
+from serving.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 class CompileInServingLoop(RuntimeError):
     """A step needed a shape that was not precompiled."""
+
+
+class RowLogprobs(NamedTuple):
+    """Per computed row of a chunk: log-probability of the next token [q] and the top ones [q, MAX_LOGPROBS]."""
+
+    logprob: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+
+
+class StepOutput(NamedTuple):
+    """Per request of the step (rows past the chunk count are dropped)."""
+
+    tokens: np.ndarray  # [n] sampled ids (meaningless where the chunk does not sample)
+    logprobs: np.ndarray  # [n]
+    top_ids: np.ndarray  # [n, MAX_LOGPROBS]
+    top_logprobs: np.ndarray  # [n, MAX_LOGPROBS]
+    rows: dict[int, RowLogprobs]  # chunk index -> its rows, for chunks with row_logprobs
 
 
 @dataclass(frozen=True)
@@ -98,8 +117,14 @@ class Runner:
             with jax.named_scope("segment2"):
                 return segments.segment2(merge(leaves), self.layout, cache, carry_buf, b, **kw)
 
+        def rows(leaves, h_TD, next_T):
+            with jax.named_scope("row_logprobs"):
+                logp = jax.nn.log_softmax(merge(leaves).head(h_TD, jnp.float32), axis=-1)
+                top_lp, top_ids = jax.lax.top_k(logp, min(MAX_LOGPROBS, logp.shape[-1]))
+                return jnp.take_along_axis(logp, next_T[:, None], axis=-1)[:, 0], top_ids, top_lp
+
         self._fns = {"seg1": jax.jit(seg1, donate_argnums=(1, 2)), "seg2": jax.jit(seg2, donate_argnums=1),
-                     "sample": jax.jit(functools.partial(sample, max_top_k=rc.max_top_k))}
+                     "sample": jax.jit(functools.partial(sample, max_top_k=rc.max_top_k)), "rows": jax.jit(rows)}
         # Segment 1 leaves its rows in a persistent buffer of the largest bucket, which segment 2 reads: the
         # kept-row gather then lives in segment 2 and no function is compiled per (tokens, kept rows) pair.
         top = self.buckets.tokens[-1]
@@ -134,7 +159,7 @@ class Runner:
 
     def bucket_keys(self) -> list[tuple]:
         T = self.buckets.tokens
-        return [("seg1", t) for t in T] + [("seg2", t) for t in T] + [("sample",)]
+        return [("seg1", t) for t in T] + [("seg2", t) for t in T] + [("sample",)] + [("rows", t) for t in T]
 
     def precompile(self, keys: Sequence[tuple] | None = None) -> float:
         """Compile every bucket (or `keys`); returns the seconds spent."""
@@ -159,8 +184,11 @@ class Runner:
             R, V = self.rc.max_num_seqs, self.config.vocab_size
             p = sampling_arrays([], [], R, 0)
             self._compile(key, "sample", jax.ShapeDtypeStruct((R, V), jnp.float32), p)
+        elif name == "rows":
+            h = jax.ShapeDtypeStruct((key[1], self.config.hidden_size), self.model.dtype)
+            self._compile(key, "rows", self._leaves, h, jax.ShapeDtypeStruct((key[1],), jnp.int32))
         else:
-            raise ValueError(f"unknown bucket key {key}; keys are ('seg1', T), ('seg2', T), ('sample',)")
+            raise ValueError(f"unknown bucket key {key}; keys are ('seg1', T), ('seg2', T), ('sample',), ('rows', T)")
 
     def _exe_for(self, key: tuple):
         exe = self._exe.get(key)
@@ -180,24 +208,45 @@ class Runner:
     # ------------------------------------------------------------------ execution
     def forward(self, chunks: Sequence[SeqChunk]) -> jax.Array:
         """Run one step; the logits [max_num_seqs, vocab] of each request's last row (device array)."""
+        return self._segments(chunks)[1]
+
+    def _segments(self, chunks: Sequence[SeqChunk]) -> tuple[dict, jax.Array, jax.Array]:
         with jax.profiler.TraceAnnotation("runner.build"):
             b1, b2 = self._build(chunks)
         T, T2 = len(b1["ids"]), len(b2["kept"])
         with jax.profiler.TraceAnnotation("runner.segment1"):
             self.cache, self.carry_buf = self._exe_for(("seg1", T))(self._leaves, self.cache, self.carry_buf, b1)
         with jax.profiler.TraceAnnotation("runner.segment2"):
-            self.cache, logits = self._exe_for(("seg2", T2))(self._leaves, self.cache, self.carry_buf, b2)
-        return logits
+            self.cache, logits, hidden = self._exe_for(("seg2", T2))(self._leaves, self.cache, self.carry_buf, b2)
+        return b2, logits, hidden
 
-    def step(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams | None]
-             ) -> tuple[np.ndarray, np.ndarray]:
-        """Run one step and sample: (token ids, logprobs) of each request (garbage where ch.sample is False)."""
-        logits = self.forward(chunks)
+    def step(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams | None]) -> StepOutput:
+        """Run one step and sample each request's next token; row logprobs for chunks that ask for them."""
+        b2, logits, hidden = self._segments(chunks)
         p = sampling_arrays(list(params), [ch.end for ch in chunks], self.rc.max_num_seqs, self.rc.seed)
         with jax.profiler.TraceAnnotation("runner.sample"):
-            tok, logprob = self._exe_for(("sample",))(logits, p)
+            sampled = self._exe_for(("sample",))(logits, p)
+        wanted = [i for i, ch in enumerate(chunks) if ch.row_logprobs]
+        rows = self._row_logprobs(chunks, wanted, b2, hidden) if wanted else None
         n = len(chunks)
-        return np.asarray(tok)[:n], np.asarray(logprob)[:n]
+        tok, logprob, top_ids, top_lp = (np.asarray(a)[:n] for a in sampled)
+        out = {}
+        if rows is not None:
+            lp, ids, tlp = (np.asarray(a) for a in rows)
+            for i in wanted:
+                sl = slice(b2["req_kept_first"][i], b2["req_kept_first"][i] + b2["req_kept_qlen"][i])
+                out[i] = RowLogprobs(lp[sl], ids[sl], tlp[sl])
+        return StepOutput(tok, logprob, top_ids, top_lp, out)
+
+    def _row_logprobs(self, chunks, wanted, b2, hidden):
+        """Log-probabilities of each wanted row's next token (0 past the chunk's known tokens)."""
+        nxt = np.zeros(len(b2["kept"]), np.int32)
+        for i in wanted:
+            ch, f = chunks[i], b2["req_kept_first"][i]
+            ids = ch.token_ids[ch.start + 1:ch.end + 1]
+            nxt[f:f + len(ids)] = ids
+        with jax.profiler.TraceAnnotation("runner.row_logprobs"):
+            return self._exe_for(("rows", len(nxt)))(self._leaves, hidden, nxt)
 
 
 def _spec(a) -> jax.ShapeDtypeStruct:

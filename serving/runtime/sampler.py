@@ -10,30 +10,11 @@ seed folded with the position, so a seeded request reproduces whatever else is i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-
-    def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+from serving.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 def sampling_arrays(params: list[SamplingParams | None], positions: list[int], rows: int, default_seed: int
@@ -51,8 +32,10 @@ def sampling_arrays(params: list[SamplingParams | None], positions: list[int], r
     return out
 
 
-def sample(logits_RV: jax.Array, p: dict, *, max_top_k: int) -> tuple[jax.Array, jax.Array]:
-    """Sampled token ids [R] and their log-probabilities under the unfiltered model distribution [R]."""
+def sample(logits_RV: jax.Array, p: dict, *, max_top_k: int
+           ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Sampled token ids [R], their log-probabilities under the unfiltered model distribution [R], and the
+    MAX_LOGPROBS most likely tokens' ids and log-probabilities [R, MAX_LOGPROBS] (OpenAI `top_logprobs`)."""
     logits = logits_RV.astype(jnp.float32)
     R, V = logits.shape
     K = min(max_top_k, V)
@@ -79,5 +62,7 @@ def sample(logits_RV: jax.Array, p: dict, *, max_top_k: int) -> tuple[jax.Array,
                             lambda: jnp.argmax(logits / temp + gumbel((V,)), axis=-1),
                             lambda: jnp.zeros((R,), jnp.int32))
     tok = jnp.where(greedy, jnp.argmax(logits, axis=-1), jnp.where(filtered, filtered_tok, full_tok))
-    logprob = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tok[:, None], axis=-1)[:, 0]
-    return tok.astype(jnp.int32), logprob
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    logprob = jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
+    top_lp, top_ids = jax.lax.top_k(logp, min(MAX_LOGPROBS, V))
+    return tok.astype(jnp.int32), logprob, top_ids.astype(jnp.int32), top_lp

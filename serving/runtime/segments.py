@@ -5,7 +5,8 @@ segment 1  every row of the step: embedding, layers 0 .. cut-1, then the cut lay
 segment 2  the kept rows (all of them with replay off; each prefill's last `window` rows with decoder
            replay on; decode rows always): the rest of the cut layer - queries, indexer and candidates,
            attention, its SWA ring write - and layers cut+1 .. L-1, then the logits of each request's
-           last row. Its shapes are its own row buckets, so trimming costs no recompilation.
+           last row and the final hidden state of every kept row (for prompt logprobs). Its shapes are
+           its own row buckets, so trimming costs no recompilation.
 Decode steps run through the same two functions with every row kept.
 """
 
@@ -113,7 +114,8 @@ def segment1(module, layout: CacheLayout, cache: dict, carry_buf: dict, b: dict,
 
 
 def segment2(module, layout: CacheLayout, cache: dict, carry_buf: dict, b: dict, *, tile: int, fake_quant: bool
-             ) -> tuple[dict, jax.Array]:
+             ) -> tuple[dict, jax.Array, jax.Array]:
+    """(cache, logits of each request's last row [max_num_seqs, V], final hidden of every kept row [T2, D])."""
     c, cut = layout.config, layout.config.cut_layer
     carry = gather_kept(carry_buf, b, window=layout.window, tile=tile)
     req = _req(b)
@@ -136,8 +138,7 @@ def segment2(module, layout: CacheLayout, cache: dict, carry_buf: dict, b: dict,
             s = ffn_and_output(block, c, R, mix, y, carry["ids"])
     with jax.named_scope("logits"):
         R, pre = final_streams(s)
-        rows = req["logit_row"]
-        h = module.norm(hc_collapse(R[rows], pre[rows]))
-        logits = module.head(h, jnp.float32)
-    return cache, logits
+        h_TD = module.norm(hc_collapse(R, pre))  # every kept row: prompt logprobs read the rows they keep
+        logits = module.head(h_TD[req["logit_row"]], jnp.float32)
+    return cache, logits, h_TD
 

@@ -208,3 +208,26 @@ def test_live_allocation_report(exact):
         assert live[k] == planned[k], k
     assert live["global_bytes_per_token"] == 1.5 * (32 + 16) * 4
     assert live["swa_and_tail_bytes_per_request"] == 8 * 8 * 32 * 4 + 2 * 32 * 4
+
+
+def test_row_logprobs_of_a_kept_request_match_the_full_forward(model, bounded):
+    """Prompt logprobs: every computed row's next-token log-probability and top ids, across chunks, equal the
+    full-sequence forward's (the request keeps all rows with replay on)."""
+    from serving.runtime.batch import SeqChunk
+
+    d = Driver(bounded)
+    prompt = _prompt(14, 45)
+    d.start("a", prompt, keep_all=True)
+    r, got = d.reqs["a"], {}
+    for start, end in ((0, 20), (20, 45)):
+        assert d.bm.allocate("a", end)
+        ch = SeqChunk(slot=r.slot, block_table=d.bm.block_table("a"), token_ids=prompt, start=start, end=end,
+                      row_logprobs=True)
+        out = bounded.step([ch], [None])
+        got.update({start + j: (out.rows[0].logprob[j], out.rows[0].top_ids[j]) for j in range(end - start)})
+        d.bm.commit("a", prompt, end)
+    full = np.asarray(model.logits(np.array(prompt)), np.float64)
+    logp = full - np.log(np.exp(full - full.max(1, keepdims=True)).sum(1, keepdims=True)) - full.max(1, keepdims=True)
+    for p in range(44):
+        assert abs(got[p][0] - logp[p, prompt[p + 1]]) <= 1e-4, p
+        assert got[p][1][0] == logp[p].argmax(), p

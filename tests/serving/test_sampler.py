@@ -7,14 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from serving.runtime.sampler import SamplingParams, sample, sampling_arrays
+from serving.runtime.sampler import sample, sampling_arrays
+from serving.sampling_params import MAX_LOGPROBS, SamplingParams
 
 V = 300
 
 
 def _run(logits, params, positions=None):
     p = sampling_arrays(params, positions or [0] * len(params), len(params), default_seed=0)
-    tok, lp = jax.jit(sample, static_argnames="max_top_k")(jnp.asarray(logits), p, max_top_k=64)
+    tok, lp, _, _ = jax.jit(sample, static_argnames="max_top_k")(jnp.asarray(logits), p, max_top_k=64)
     return np.asarray(tok), np.asarray(lp)
 
 
@@ -24,6 +25,16 @@ def test_greedy_and_logprob():
     assert (tok == logits.argmax(1)).all()
     ref = logits - np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1, keepdims=True)) - logits.max(1, keepdims=True)
     np.testing.assert_allclose(lp, ref[np.arange(3), tok], rtol=1e-5)
+
+
+def test_top_logprobs_are_the_most_likely_tokens():
+    logits = np.random.default_rng(3).standard_normal((3, V)).astype(np.float32)
+    p = sampling_arrays([SamplingParams(temperature=0.8, seed=1)] * 3, [0] * 3, 3, 0)
+    _, _, ids, lp = jax.jit(sample, static_argnames="max_top_k")(jnp.asarray(logits), p, max_top_k=64)
+    ref = logits - np.log(np.exp(logits).sum(1, keepdims=True))  # the unscaled model distribution
+    order = np.argsort(-logits, axis=1)[:, :MAX_LOGPROBS]
+    np.testing.assert_array_equal(np.asarray(ids), order)
+    np.testing.assert_allclose(np.asarray(lp), np.take_along_axis(ref, order, 1), rtol=1e-5)
 
 
 def test_filters_restrict_the_choice():
@@ -68,6 +79,7 @@ def test_parameters_change_without_recompiling_and_hlo_has_no_sort():
 
 def test_bad_parameters_name_the_field():
     for kw, msg in ((dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=-2), "top_k"),
-                    (dict(min_p=2), "min_p")):
+                    (dict(min_p=2), "min_p"), (dict(max_tokens=0), "max_tokens"), (dict(logprobs=21), "logprobs"),
+                    (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(stop=[""]), "stop"), (dict(n=0), "n")):
         with pytest.raises(ValueError, match=msg):
             SamplingParams(**kw)
