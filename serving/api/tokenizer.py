@@ -76,6 +76,8 @@ class Tokenizer:
             token_id for token_id, added in hf.get_added_tokens_decoder().items() if added.special)
         marker_ids = {hf.token_to_id(m) for m in PARSER_MARKERS} - {None}
         self._skip_ids = self._special_ids - marker_ids
+        self._byte_level = isinstance(hf.decoder, decoders.ByteLevel)
+        self._bytes_cache: dict[int, bytes] = {}
 
     def _required_id(self, token: str, field: str) -> int:
         token_id = self._hf.token_to_id(token)
@@ -123,8 +125,30 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         """Text of `ids`; `skip_special` drops control tokens but keeps the parser markers."""
         if skip_special:
-            ids = [i for i in ids if i not in self._skip_ids]
+            ids = [i for i in ids if not self.is_skipped(i)]
         return self._hf.decode(list(ids), skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes `token_id` adds to the UTF-8 of decoded text (`b""` for skipped tokens is the caller's
+        choice). Needs a byte-level decoder, as V4.1's tokenizer has: each char of the token string maps
+        back to one byte, and chars outside that alphabet (in added tokens) stand for their own UTF-8.
+        """
+        cached = self._bytes_cache.get(token_id)
+        if cached is None:
+            if not self._byte_level:
+                raise ValueError(f"{self._source}: token bytes need a ByteLevel decoder "
+                                 f"(this tokenizer's is {type(self._hf.decoder).__name__})")
+            piece = self._hf.id_to_token(token_id)
+            if piece is None:
+                raise ValueError(f"token id {token_id} is outside the vocabulary of {self._source}")
+            cached = b"".join(bytes([_CHAR_TO_BYTE[c]]) if c in _CHAR_TO_BYTE else c.encode("utf-8")
+                              for c in piece)
+            self._bytes_cache[token_id] = cached
+        return cached
+
+    def is_skipped(self, token_id: int) -> bool:
+        """Whether decode(skip_special=True) drops `token_id` (control tokens; not the parser markers)."""
+        return token_id in self._skip_ids
 
     def token_id(self, name: str) -> int:
         """Id of the token spelled `name` (e.g. `"<｜User｜>"`); ValueError if the vocabulary lacks it."""
@@ -154,6 +178,9 @@ def _byte_to_char() -> dict[int, str]:
             chars[b] = chr(256 + shifted)
             shifted += 1
     return chars
+
+
+_CHAR_TO_BYTE = {char: byte for byte, char in _byte_to_char().items()}
 
 
 def byte_level_tokenizer(vocab_size: int = 512) -> Tokenizer:

@@ -111,3 +111,12 @@ def test_from_dir_reads_token_names_from_config(tok, tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
     with pytest.raises(ValueError, match="bos_token '<s>' is not in the vocabulary"):
         Tokenizer.from_dir(tmp_path)
+
+
+def test_token_bytes(tok):
+    assert tok.token_bytes(N_SPECIALS + 0xE6) == b"\xe6"
+    assert tok.token_bytes(tok.token_id("<｜User｜>")) == "<｜User｜>".encode()
+    ids = tok.encode("<think>漢😀</think>")
+    assert b"".join(tok.token_bytes(i) for i in ids).decode() == tok.decode(ids)
+    with pytest.raises(ValueError, match="token id 600 is outside"):
+        tok.token_bytes(600)
