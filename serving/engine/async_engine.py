@@ -1,0 +1,146 @@
+"""The engine loop for the server: `Engine.step` runs in one dedicated thread (the device work releases the
+GIL, so the event loop keeps serving HTTP meanwhile); requests and aborts reach it through a command queue,
+drained before every step, and each step's outputs go back to the event loop in one callback.
+
+A client that stops listening (disconnect, cancelled task) aborts its request: `generate`'s `finally`
+queues the abort, and the engine frees the blocks before its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+
+from serving.engine.engine import Engine
+from serving.engine.request import RequestOutput
+from serving.sampling_params import SamplingParams
+
+log = logging.getLogger("serving.engine")
+
+
+class EngineDead(RuntimeError):
+    """The engine loop stopped after an internal error; the server reports unhealthy."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.error: BaseException | None = None
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    # -------------------------------------------------------------- event-loop side
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *, priority: int = 0,
+                       session_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs. Raises ValueError (bad request) or QueueFull before the first output."""
+        if not self.healthy:
+            raise EngineDead(f"the engine stopped: {self.error!r}")
+        accepted = self._loop.create_future()
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        finished = False
+        self._submit(("add", request_id, prompt_ids, params, priority, session_id, accepted))
+        try:
+            await accepted
+            while True:
+                out: RequestOutput = await stream.get()
+                if out.error is not None:
+                    raise EngineDead(out.error)
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._submit(("abort", request_id))
+
+    def _submit(self, cmd: tuple) -> None:
+        self._cmds.put(cmd)
+        self._wake.set()
+
+    def _deliver(self, outs: list[RequestOutput]) -> None:
+        for o in outs:
+            stream = self._streams.get(o.request_id)
+            if stream is not None:
+                stream.put_nowait(o)
+
+    # ------------------------------------------------------------------ engine side
+    def _run(self) -> None:
+        eng = self.engine
+        while not self._stopping:
+            self._wake.clear()
+            self._drain()
+            if not eng.has_unfinished():
+                self._wake.wait()
+                continue
+            try:
+                outs = eng.step()
+            except Exception as e:  # a bug, not bad input: fail everything in flight and report unhealthy
+                log.exception("engine step failed")
+                self.error = e
+                self._fail_all(f"internal engine error: {e!r}")
+                return
+            if outs:
+                self._loop.call_soon_threadsafe(self._deliver, outs)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, rid, prompt, params, priority, session, fut = cmd
+                try:
+                    self.engine.add_request(rid, prompt, params, priority=priority, session_id=session)
+                except Exception as e:  # ValueError / QueueFull: the caller's answer
+                    self._loop.call_soon_threadsafe(_set_exception, fut, e)
+                else:
+                    self._loop.call_soon_threadsafe(_set_result, fut)
+            else:
+                out = self.engine.abort(cmd[1])
+                if out is not None:
+                    log.info("aborted %s", cmd[1])
+
+    def _fail_all(self, message: str) -> None:
+        """Every stream gets an error output; requests not yet accepted get EngineDead."""
+        outs = [RequestOutput(rid, [], "", True, "abort", error=message) for rid in list(self._streams)]
+        self._loop.call_soon_threadsafe(self._deliver, outs)
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                self._loop.call_soon_threadsafe(_set_exception, cmd[-1], EngineDead(message))
+
+
+def _set_result(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _set_exception(fut: asyncio.Future, e: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(e)

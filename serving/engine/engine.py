@@ -1,0 +1,229 @@
+"""The synchronous engine core: requests in, one step at a time, per-request deltas out.
+
+`step()` = scheduler decides the chunks -> the runner runs them (one call per segment, one device->host copy)
+-> the scheduler registers the written blocks -> sampled tokens become text, logprobs and finish decisions.
+The async server and the offline `LLM` both drive this class; only one thread may call it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+import dsv41
+from serving.engine.metrics import EngineMetrics
+from serving.engine.output import OutputState
+from serving.engine.request import Request, RequestOutput, Status, TokenLogprob
+from serving.engine.scheduler import Scheduled, Scheduler, SchedulerConfig
+from serving.runtime.batch import SeqChunk
+from serving.runtime.block_manager import BlockManager
+from serving.runtime.runner import Runner, RuntimeConfig, StepOutput
+from serving.sampling_params import SamplingParams
+
+log = logging.getLogger("serving.engine")
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Every engine knob in one place (the server's flags map onto these one to one)."""
+
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 4096
+    block_size: int = 64
+    kv_cache_dtype: str = "auto"
+    kv_cache_memory: int | None = None
+    swa_bounded_replay: bool = True
+    enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int = 0
+    max_queued_requests: int = 4096
+    scheduling_policy: str = "fcfs"
+    seed: int = 0
+    tile: int = 8
+    fake_quant: bool = False
+
+    def runtime_config(self) -> RuntimeConfig:
+        return RuntimeConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                             max_model_len=self.max_model_len, block_size=self.block_size,
+                             kv_cache_dtype=self.kv_cache_dtype, kv_cache_memory=self.kv_cache_memory,
+                             swa_bounded_replay=self.swa_bounded_replay, tile=self.tile, fake_quant=self.fake_quant,
+                             seed=self.seed)
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                               max_model_len=self.max_model_len,
+                               long_prefill_token_threshold=self.long_prefill_token_threshold,
+                               max_queued_requests=self.max_queued_requests, policy=self.scheduling_policy,
+                               swa_bounded_replay=self.swa_bounded_replay,
+                               enable_prefix_caching=self.enable_prefix_caching)
+
+
+class Engine:
+    def __init__(self, model: dsv41.Model, tokenizer=None, args: EngineArgs = EngineArgs(), *,
+                 model_name: str = "dsv41", progress: bool = True):
+        self.model, self.tokenizer, self.args = model, tokenizer, args
+        self.runner = Runner(model, args.runtime_config(), progress=progress)
+        self.runner.precompile()
+        layout = self.runner.layout
+        self.blocks = BlockManager(layout.num_blocks, layout.block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(args.scheduler_config(), model.config, self.blocks)
+        self.metrics = EngineMetrics(model_name)
+        self.metrics.total_blocks.set(layout.num_blocks)
+        self.requests: dict[str, Request] = {}
+        self._out: dict[str, OutputState] = {}
+        self._prompt_lp: dict[str, list] = {}
+        self._rng = np.random.default_rng(args.seed)
+        self.eos_id = getattr(tokenizer, "eos_id", model.config.eos_token_id)
+        self._preemptions_seen = 0
+        self._update_gauges()
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *, priority: int = 0,
+                    session_id: str | None = None) -> Request:
+        """Validate and queue; `ValueError` names what is wrong, `QueueFull` when the queue is full."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt = [int(t) for t in prompt_ids]
+        vocab, limit = self.model.config.vocab_size, self.args.max_model_len
+        if not prompt:
+            raise ValueError("prompt is empty")
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(prompt) >= limit:
+            raise ValueError(f"the prompt has {len(prompt)} tokens; this model's maximum context length is {limit} "
+                             f"tokens and at least one must be left to generate")
+        max_tokens = limit - len(prompt) if params.max_tokens is None else params.max_tokens
+        if len(prompt) + max_tokens > limit:
+            raise ValueError(f"this model's maximum context length is {limit} tokens; the request has "
+                             f"{len(prompt)} prompt tokens and max_tokens {max_tokens} "
+                             f"({len(prompt) + max_tokens} in all)")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        blocks = -(-(len(prompt) + max_tokens) // self.blocks.block_size)
+        if blocks > self.blocks.num_blocks:
+            raise ValueError(f"the request needs up to {blocks} KV blocks; the cache has {self.blocks.num_blocks}")
+        if params.seed is None and not params.greedy:
+            params = dataclasses.replace(params, seed=int(self._rng.integers(2**31)))  # independent streams
+        params = dataclasses.replace(params, max_tokens=max_tokens)
+        req = Request(request_id, prompt, params, eos_id=self.eos_id, priority=priority, session_id=session_id)
+        self.scheduler.add(req)
+        self.requests[request_id] = req
+        self._out[request_id] = OutputState(req, self.tokenizer, limit)
+        return req
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        return self._finish(req, "abort", None, "")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        outputs: list[RequestOutput] = []
+        if sched:
+            with jax.profiler.TraceAnnotation("engine.step"):
+                self._note_admissions(sched)
+                out = self.runner.step([self._chunk(s) for s in sched], [s.request.params for s in sched])
+                now = time.monotonic()
+                for i, s in enumerate(sched):
+                    self.scheduler.computed(s)
+                    if i in out.rows:
+                        self._collect_prompt_logprobs(s, out.rows[i])
+                    if s.sample:
+                        outputs.append(self._sampled(s.request, out, i, now))
+        self._update_gauges()
+        return outputs
+
+    def _chunk(self, s: Scheduled) -> SeqChunk:
+        req = s.request
+        return SeqChunk(slot=req.slot, block_table=self.blocks.block_table(req.request_id), token_ids=req.token_ids,
+                        start=s.start, end=s.end, kv_floor=req.plan.replay_start, write_floor=req.plan.write_floor,
+                        trim=self.args.swa_bounded_replay and not req.keeps_all_rows, sample=s.sample,
+                        row_logprobs=req.keeps_all_rows and req.request_id in self._prompt_lp
+                        and s.start < req.num_prompt - 1)
+
+    def _note_admissions(self, sched: list[Scheduled]) -> None:
+        for s in sched:
+            req = s.request
+            if not req.admitted:  # first admission: count the prefix-cache lookup once per request
+                req.admitted = True
+                self.metrics.prefix_queries.inc(req.num_prompt)
+                self.metrics.prefix_hits.inc(req.cached_tokens)
+                self.metrics.prompt_tokens.inc(req.num_prompt)
+                if req.keeps_all_rows:
+                    self._prompt_lp[req.request_id] = [None] * req.num_prompt
+
+    def _collect_prompt_logprobs(self, s: Scheduled, rows) -> None:
+        req = s.request
+        got = self._prompt_lp.get(req.request_id)
+        if got is None:
+            return
+        k = req.params.prompt_logprobs
+        for j, p in enumerate(range(s.start, min(s.end, req.num_prompt - 1))):
+            tok = req.prompt_ids[p + 1]
+            got[p + 1] = TokenLogprob(tok, float(rows.logprob[j]), _top(rows.top_ids[j], rows.top_logprobs[j], k))
+
+    def _sampled(self, req: Request, out: StepOutput, i: int, now: float) -> RequestOutput:
+        tok = int(out.tokens[i])
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.metrics.ttft.observe(now - req.arrival)
+        else:
+            self.metrics.itl.observe(now - req.last_token_time)
+        req.last_token_time = now
+        self.metrics.generation_tokens.inc()
+        text, reason, stop_reason = self._out[req.request_id].append(tok)
+        lp = None
+        if req.params.logprobs is not None:
+            lp = [TokenLogprob(tok, float(out.logprobs[i]), _top(out.top_ids[i], out.top_logprobs[i],
+                                                                 req.params.logprobs))]
+        prompt_lp = self._prompt_lp.pop(req.request_id, None)
+        if reason is not None:
+            o = self._finish(req, reason, stop_reason, text, [tok])
+            o.new_logprobs, o.prompt_logprobs = lp, prompt_lp
+            return o
+        return RequestOutput(req.request_id, [tok], text, False, new_logprobs=lp, prompt_logprobs=prompt_lp,
+                             **self._counts(req))
+
+    def _finish(self, req: Request, reason: str, stop_reason, text: str, new_ids: list[int] | None = None
+                ) -> RequestOutput:
+        self.scheduler.remove(req)
+        del self.requests[req.request_id]
+        tail = self._out.pop(req.request_id).flush() if reason != "stop" else ""
+        self._prompt_lp.pop(req.request_id, None)
+        req.finish_reason, req.stop_reason = reason, stop_reason
+        self.metrics.e2e.observe(time.monotonic() - req.arrival)
+        self.metrics.finished(reason)
+        log.info("finished %s session=%s reason=%s prompt=%d cached=%d output=%d preemptions=%d",
+                 req.request_id, req.session_id, reason, req.num_prompt, req.cached_tokens, req.num_output,
+                 req.num_preemptions)
+        return RequestOutput(req.request_id, new_ids or [], text + tail, True, reason, stop_reason,
+                             **self._counts(req))
+
+    @staticmethod
+    def _counts(req: Request) -> dict:
+        return {"num_prompt_tokens": req.num_prompt, "num_cached_tokens": req.cached_tokens,
+                "num_output_tokens": req.num_output}
+
+    def _update_gauges(self) -> None:
+        m, sch = self.metrics, self.scheduler
+        m.running.set(len(sch.running))
+        m.waiting.set(sch.num_waiting)
+        m.kv_usage.set(self.blocks.usage)
+        m.free_blocks.set(self.blocks.num_free_blocks)
+        m.preemptions.inc(sch.num_preemptions - self._preemptions_seen)
+        self._preemptions_seen = sch.num_preemptions
+
+
+def _top(ids: np.ndarray, lps: np.ndarray, k: int) -> tuple[tuple[int, float], ...]:
+    return tuple((int(a), float(b)) for a, b in zip(ids[:k], lps[:k]))

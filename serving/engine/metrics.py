@@ -1,0 +1,48 @@
+"""Prometheus metrics under vLLM's names (`vllm:*`), so existing dashboards and `vllm bench` scrapers read
+them unchanged, plus the block-pool gauges this engine adds (`dsv41:*`). One registry per engine."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+            80.0, 160.0, 640.0, 2560.0)
+_ITL = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str):
+        self.registry = r = CollectorRegistry()
+        lab = {"labelnames": ["model_name"], "registry": r}
+        self._m = model_name
+
+        def g(name, doc):
+            return Gauge(name, doc, **lab).labels(model_name)
+
+        def c(name, doc):
+            return Counter(name, doc, **lab).labels(model_name)
+
+        def h(name, doc, buckets):
+            return Histogram(name, doc, buckets=buckets, **lab).labels(model_name)
+
+        self.running = g("vllm:num_requests_running", "Requests in the running batch.")
+        self.waiting = g("vllm:num_requests_waiting", "Requests waiting (incl. preempted).")
+        self.kv_usage = g("vllm:kv_cache_usage_perc", "Fraction of paged KV blocks referenced (1 = full).")
+        self.free_blocks = g("dsv41:kv_free_blocks", "Paged KV blocks with no reference (free or evictable).")
+        self.total_blocks = g("dsv41:kv_total_blocks", "Paged KV blocks in the pool.")
+        self.prefix_queries = c("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = c("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.")
+        self.prompt_tokens = c("vllm:prompt_tokens", "Prompt tokens of admitted requests.")
+        self.generation_tokens = c("vllm:generation_tokens", "Generated tokens.")
+        self.preemptions = c("vllm:num_preemptions", "Preemptions (recompute).")
+        self.ttft = h("vllm:time_to_first_token_seconds", "Arrival to first token.", _LATENCY)
+        self.itl = h("vllm:inter_token_latency_seconds", "Gap between consecutive tokens of a request.", _ITL)
+        self.e2e = h("vllm:e2e_request_latency_seconds", "Arrival to finish.", _LATENCY)
+        self._success = Counter("vllm:request_success", "Finished requests by reason.",
+                                labelnames=["model_name", "finished_reason"], registry=r)
+
+    def finished(self, reason: str) -> None:
+        self._success.labels(self._m, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

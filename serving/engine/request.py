@@ -1,0 +1,95 @@
+"""A request's host-side state, from arrival to finish, and the per-step deltas the engine reports."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from serving.runtime.encoder_replay import PrefixPlan
+from serving.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # not admitted, or preempted (blocks freed; recomputes on resumption)
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One position's logprob: the chosen token's and the `k` most likely (id, logprob) pairs."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_id: int | None = None
+    priority: int = 0  # lower runs first under the priority policy (vLLM's convention)
+    session_id: str | None = None  # X-Session-ID: recorded, and the DP router's key
+    arrival: float = field(default_factory=time.monotonic)
+    # --- state, owned by the engine thread
+    token_ids: list[int] = field(init=False)  # prompt + output; the runtime reads it in place
+    status: Status = Status.WAITING
+    num_computed: int = 0  # positions whose KV is in the cache
+    slot: int | None = None
+    plan: PrefixPlan | None = None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    num_preemptions: int = 0
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or string that ended it
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    admitted: bool = False
+
+    def __post_init__(self):
+        self.token_ids = list(self.prompt_ids)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids):]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def keeps_all_rows(self) -> bool:
+        """Prompt logprobs need every prompt row through the trimmed segment (and no prefix hit)."""
+        return self.params.prompt_logprobs is not None
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (a delta; the final one has `finished` set)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # once, when the prompt has been computed
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None  # the engine failed this request (not the client's fault)

@@ -1,0 +1,196 @@
+"""Decides what each step computes: continuous batching under a token budget (vLLM v1's shape).
+
+No prefill/decode phases: every request has `num_computed` chasing `num_tokens`. Each step first serves the
+running requests in admission order (a decode row, or the next chunk of a prefill), preempting from the back
+when blocks run out (recompute: blocks and slot freed, the request waits again at the front and re-looks-up
+the prefix cache when it resumes); then admits waiting requests while slots, budget and blocks allow.
+Admission looks up the prefix cache and applies the encoder-replay rewind (`plan_prefix_hit`): the request
+restarts at `replay_start`, never rewriting cached rows below `write_floor`. Blocks for the whole prompt are
+reserved at admission so chunked prefills of many long prompts cannot thrash each other.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass
+
+from dsv41.config import ModelConfig
+from serving.engine.request import Request, Status
+from serving.runtime.block_manager import BlockManager, PrefixHit
+from serving.runtime.encoder_replay import plan_prefix_hit
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 4096
+    long_prefill_token_threshold: int = 0  # per-request cap on prefill tokens per step; 0 = off
+    max_queued_requests: int = 4096  # waiting requests beyond this are refused (HTTP 503)
+    policy: str = "fcfs"  # "fcfs" | "priority" (lower value first, then arrival)
+    swa_bounded_replay: bool = True
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self):
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    """One request's work in a step: positions [start, end); `sample` when end reaches its last token."""
+
+    request: Request
+    start: int
+    end: int
+
+    @property
+    def sample(self) -> bool:
+        return self.end == self.request.num_tokens
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at `max_queued_requests`."""
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, model_config: ModelConfig, blocks: BlockManager):
+        self.cfg, self.model_config, self.blocks = cfg, model_config, blocks
+        self.running: list[Request] = []  # admission order: preemption takes from the back
+        self._waiting_fcfs: deque[Request] = deque()
+        self._waiting_heap: list[tuple[int, float, int, Request]] = []
+        self._tie = itertools.count()
+        self.free_slots = list(range(cfg.max_num_seqs))
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ queue
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting_fcfs) + len(self._waiting_heap)
+
+    def add(self, req: Request, *, front: bool = False) -> None:
+        if not front and self.num_waiting >= self.cfg.max_queued_requests:
+            raise QueueFull(f"the waiting queue is full ({self.cfg.max_queued_requests} requests)")
+        req.status = Status.WAITING
+        if self.cfg.policy == "priority":
+            heapq.heappush(self._waiting_heap, (req.priority, req.arrival, next(self._tie), req))
+        elif front:
+            self._waiting_fcfs.appendleft(req)
+        else:
+            self._waiting_fcfs.append(req)
+
+    def _peek(self) -> Request | None:
+        if self.cfg.policy == "priority":
+            return self._waiting_heap[0][3] if self._waiting_heap else None
+        return self._waiting_fcfs[0] if self._waiting_fcfs else None
+
+    def _pop(self) -> Request:
+        return heapq.heappop(self._waiting_heap)[3] if self.cfg.policy == "priority" else self._waiting_fcfs.popleft()
+
+    def remove(self, req: Request) -> None:
+        """Take a request out wherever it is (abort or finish) and free its blocks and slot."""
+        if req in self.running:
+            self.running.remove(req)
+            self._release(req)
+        elif req.status is Status.WAITING:
+            if self.cfg.policy == "priority":
+                self._waiting_heap = [e for e in self._waiting_heap if e[3] is not req]
+                heapq.heapify(self._waiting_heap)
+            elif req in self._waiting_fcfs:
+                self._waiting_fcfs.remove(req)
+        req.status = Status.FINISHED
+
+    def _release(self, req: Request) -> None:
+        self.blocks.free(req.request_id)
+        self.free_slots.append(req.slot)
+        req.slot = None
+
+    # --------------------------------------------------------------- schedule
+    def schedule(self) -> list[Scheduled]:
+        budget = self.cfg.max_num_batched_tokens
+        out: list[Scheduled] = []
+        preempted = False
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req.status is not Status.RUNNING:  # preempted earlier in this loop
+                continue
+            n = self._chunk(req, req.num_computed, budget)
+            while not self.blocks.allocate(req.request_id, req.num_computed + n):
+                victim = self._victim(exclude=[s.request for s in out])
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                out.append(Scheduled(req, req.num_computed, req.num_computed + n))
+                budget -= n
+        # vLLM admits nothing new in a step that had to preempt: the pool is known to be short.
+        while not preempted and budget > 0 and self.free_slots and self._peek() is not None:
+            req = self._peek()
+            start = self._admit(req)
+            if start is None:
+                break
+            self._pop()
+            n = self._chunk(req, start, budget)
+            out.append(Scheduled(req, start, start + n))
+            budget -= n
+        return out
+
+    def _chunk(self, req: Request, start: int, budget: int) -> int:
+        n = min(req.num_tokens - start, budget)
+        cap = self.cfg.long_prefill_token_threshold
+        if cap and n > 1 and (len(self.running) > 1 or self.num_waiting):  # no cap for a lone request
+            n = min(n, cap)
+        return n
+
+    def _admit(self, req: Request) -> int | None:
+        """Prefix lookup + replay rewind + block reservation for the whole sequence; the first position to
+        compute, or None (nothing changed) when the blocks are not there."""
+        bm = self.blocks
+        hit = PrefixHit(0, ())
+        if self.cfg.enable_prefix_caching and not req.keeps_all_rows:
+            hit = bm.lookup(req.token_ids[:-1])  # at least one token is computed: its logits are needed
+        plan = plan_prefix_hit(hit.num_tokens, self.model_config, self.cfg.swa_bounded_replay)
+        if plan.hit_tokens < hit.num_tokens:
+            hit = PrefixHit(plan.hit_tokens, hit.block_ids[: plan.hit_tokens // bm.block_size])
+        bm.admit(req.request_id, req.token_ids, hit)
+        if not bm.allocate(req.request_id, req.num_tokens):
+            bm.free(req.request_id)
+            return None
+        req.slot = self.free_slots.pop(0)
+        req.plan, req.num_computed, req.status = plan, plan.replay_start, Status.RUNNING
+        if req.num_preemptions == 0:
+            req.cached_tokens = plan.hit_tokens
+        self.running.append(req)
+        return plan.replay_start
+
+    def _victim(self, exclude: list[Request]) -> Request:
+        """The request to preempt: the last admitted (FCFS) or the lowest priority, latest arrival."""
+        cands = [r for r in self.running if r not in exclude] or self.running
+        if self.cfg.policy == "priority":
+            return max(cands, key=lambda r: (r.priority, r.arrival))
+        return cands[-1]
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.num_computed, req.plan = 0, None
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(req, front=True)
+
+    # ----------------------------------------------------------------- update
+    def computed(self, s: Scheduled) -> None:
+        """The step wrote positions [start, end) of `s.request`: register its full blocks in the cache."""
+        s.request.num_computed = s.end
+        self.blocks.commit(s.request.request_id, s.request.token_ids, s.end)
+
+    def has_work(self) -> bool:
+        return bool(self.running) or self.num_waiting > 0

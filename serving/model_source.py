@@ -1,0 +1,41 @@
+"""What `--model` names, loaded: a checkpoint folder (release safetensors or a converted Orbax copy), a preset
+with deterministic random weights, or nothing - the built-in default, the `tiny` V4.1 preset with random
+weights (seed 0) and the byte-level tokenizer carrying the V4.1 special tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import dsv41
+from serving.api.tokenizer import Tokenizer, byte_level_tokenizer
+
+DEFAULT_PRESET = "tiny"
+
+
+@dataclass
+class ModelSource:
+    model: dsv41.Model
+    tokenizer: Tokenizer | None
+    name: str  # the default served model name
+    description: str  # one line for the banner
+
+
+def load_model(model: str | None, dtype: str = "float32", seed: int = 0) -> ModelSource:
+    if model is None:
+        m = dsv41.random_model(DEFAULT_PRESET, seed=seed, dtype=dtype)
+        return ModelSource(m, byte_level_tokenizer(m.config.vocab_size), f"dsv41-{DEFAULT_PRESET}",
+                           f"built-in default: the '{DEFAULT_PRESET}' V4.1 preset with random weights (seed {seed}) "
+                           "and a byte-level tokenizer - not a trained model; pass --model for a checkpoint")
+    path = Path(model)
+    if path.is_dir():
+        m = dsv41.load(path, dtype=dtype)
+        tok = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
+        note = "" if tok else " (no tokenizer.json: token-id prompts only)"
+        return ModelSource(m, tok, path.name, f"checkpoint {path}{note}")
+    if model in dsv41.PRESETS:
+        m = dsv41.random_model(model, seed=seed, dtype=dtype)
+        return ModelSource(m, byte_level_tokenizer(m.config.vocab_size), f"dsv41-{model}",
+                           f"preset '{model}' with random weights (seed {seed}) and a byte-level tokenizer")
+    raise ValueError(f"--model {model!r} is neither a checkpoint folder nor a preset "
+                     f"({', '.join(sorted(dsv41.PRESETS))})")
