@@ -87,7 +87,7 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ loading / saving
     @classmethod
-    def from_dir(cls, path: str | Path) -> "Tokenizer":
+    def from_dir(cls, path: str | Path) -> Tokenizer:
         """Read `tokenizer.json` (+ `tokenizer_config.json` for bos/eos/pad names, if present)."""
         folder = Path(path)
         tokenizer_json = folder / "tokenizer.json"

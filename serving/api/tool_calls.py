@@ -36,9 +36,10 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Callable
+from typing import Any
 
 from serving.api.encoding import (INVOKE_END, INVOKE_START, PARAMETER_END, PARAMETER_START, TOOL_CALLS_END,
                                   TOOL_CALLS_START)

@@ -58,19 +58,19 @@ CASES = [
     ("calls_close_ends_open_invoke", False, TOOLS,
      f'{OPEN}\n{INV}search">\n{P} name="query" string="true">q{PE}\n{CLOSE}', "", "", [("search", J(query="q"))]),
     ("schema_typing", False, TOOLS,
-     f'{OPEN}\n{INV}get_weather">\n{P} name="days" string="true">5{PE}\n{P} name="zip">007{PE}\n'
-     f'{P} name="units">f{PE}\n{P} name="limit">null{PE}\n{P} name="city" string="false">123{PE}\n'
-     f'{P} name="extra" string="false">[1, 2]{PE}\n{P} name="raw" string="false">not json{PE}\n{INVE}\n{CLOSE}',
+     (f'{OPEN}\n{INV}get_weather">\n{P} name="days" string="true">5{PE}\n{P} name="zip">007{PE}\n'
+      f'{P} name="units">f{PE}\n{P} name="limit">null{PE}\n{P} name="city" string="false">123{PE}\n'
+      f'{P} name="extra" string="false">[1, 2]{PE}\n{P} name="raw" string="false">not json{PE}\n{INVE}\n{CLOSE}'),
      "", "", [("get_weather", J(days=5, zip="007", units="f", limit=None, city="123", extra=[1, 2], raw="not json"))]),
     ("wrapper_unwrapped", False, TOOLS,
      f'{OPEN}\n{INV}get_weather">\n{P} name="arguments" string="false">{{"city": "Rome"}}{PE}\n{INVE}\n{CLOSE}',
      "", "", [("get_weather", J(city="Rome"))]),
     ("no_schema_values", False, None,
-     f'{OPEN}\n{INV}anything">\n{P} name="n" string="false">1e3{PE}\n{P} name="s" string="true">1e3{PE}\n'
-     f'{P} name="m">{{"a": 1}}{PE}\n{INVE}\n{CLOSE}', "", "", [("anything", J(n=1000.0, s="1e3", m={"a": 1}))]),
+     (f'{OPEN}\n{INV}anything">\n{P} name="n" string="false">1e3{PE}\n{P} name="s" string="true">1e3{PE}\n'
+      f'{P} name="m">{{"a": 1}}{PE}\n{INVE}\n{CLOSE}'), "", "", [("anything", J(n=1000.0, s="1e3", m={"a": 1}))]),
     ("missing_parameter_close", False, TOOLS,
-     f'{OPEN}\n{INV}search">\n{P} name="query" string="true">q\n{P} name="filters" string="false">{{}}{PE}\n'
-     f'{INVE}\n{CLOSE}', "", "", [("search", J(query="q\n", filters={}))]),
+     (f'{OPEN}\n{INV}search">\n{P} name="query" string="true">q\n{P} name="filters" string="false">{{}}{PE}\n'
+      f'{INVE}\n{CLOSE}'), "", "", [("search", J(query="q\n", filters={}))]),
     ("malformed_block_is_content", True, TOOLS, f"r</think>Try:\n\n{OPEN}\ngarbage here\n{CLOSE} end", "r",
      f"Try:\n\n{OPEN}\ngarbage here\n{CLOSE} end", []),
     ("bad_invoke_name_is_content", False, TOOLS, f'x {OPEN}\n{INV}bad name>\n{INVE}\n{CLOSE}', "",
@@ -78,8 +78,8 @@ CASES = [
     ("unreadable_json_body_is_content", False, TOOLS, f'{OPEN}\n{INV}search">[1, 2]{INVE}\n{CLOSE}', "",
      f'{OPEN}\n{INV}search">[1, 2]{INVE}\n{CLOSE}', []),
     ("good_and_bad_invokes", False, TOOLS,
-     f'{OPEN}\n{INV}search">\n{P} name="query" string="true">ok{PE}\n{INVE}\nstray words\n'
-     f'{INV}">\n{INVE}\n{CLOSE}', "", f'stray words\n{INV}">\n{INVE}', [("search", J(query="ok"))]),
+     (f'{OPEN}\n{INV}search">\n{P} name="query" string="true">ok{PE}\n{INVE}\nstray words\n'
+      f'{INV}">\n{INVE}\n{CLOSE}'), "", f'stray words\n{INV}">\n{INVE}', [("search", J(query="ok"))]),
     ("cut_off_invoke_is_content", True, TOOLS,
      f'plan</think>Calling.\n\n{OPEN}\n{INV}get_weather">\n{P} name="city" string="true">Par', "plan",
      f'Calling.\n\n{OPEN}\n{INV}get_weather">\n{P} name="city" string="true">Par', []),
