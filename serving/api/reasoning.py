@@ -56,7 +56,8 @@ class ReasoningParser:
     """Streaming reasoning/content split of one request's generated text."""
 
     def __init__(self, *, thinking: bool):
-        """thinking: the prompt opened the reasoning (ended in `<think>`)."""
+        """thinking: the prompt opened the reasoning, i.e. it ends in `<think>` (`encode_messages` with
+        thinking on, see `encoding.resolve_thinking`)."""
         self._state = _State.REASONING if thinking else _State.CONTENT
         self._held = ""  # may be the start of a marker
         self._reasoning_ws = ""  # trailing whitespace of the current reasoning stretch

@@ -176,3 +176,19 @@ def test_read_invoke_rejects_unreadable():
     assert read_invoke('">{}', {}) is None
     assert read_invoke('f', {}) is None
     assert read_invoke('f">{"a": 1}', {}) == ("f", {"a": 1})
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] in (
+    "two_calls_nested_json_unicode", "reasoning_content_no_calls", "cut_off_invoke_is_content",
+    "good_and_bad_invokes")], ids=lambda c: c[0])
+def test_token_stream_through_detokenizer(case):
+    """Generated ids -> detokenizer (one token per step) -> reasoning parser -> tool-call parser."""
+    from serving.api.detokenizer import IncrementalDetokenizer
+    from serving.api.tokenizer import byte_level_tokenizer
+
+    name, thinking, tools, text, reasoning, content, calls = case
+    tok = byte_level_tokenizer()
+    ids = tok.encode(text) + [tok.eos_id]
+    det = IncrementalDetokenizer(tok, skip_special=True)
+    pieces = [det.push([i]) for i in ids] + [det.flush()]
+    assert _streamed(thinking, tools, pieces) == (reasoning, content, _expected_calls(calls))
