@@ -70,6 +70,7 @@ _PARAMETER_RE = re.compile(
     re.escape(PARAMETER_START) + r'\s+name="([^"]+)"(?:\s+string="([^"]*)")?\s*>(.*?)'
     r"(?:" + re.escape(PARAMETER_END) + r"|(?=" + re.escape(PARAMETER_START) + r'\s+name="))', re.DOTALL)
 _WRAPPER_KEYS = ("arguments", "input")
+_CLOSE_MARKER_LEN = max(len(INVOKE_END), len(TOOL_CALLS_END))
 
 
 # ======================================================================== argument typing
@@ -182,8 +183,8 @@ class ToolCallParser:
         self._block_leftovers: list[str] = []  # unreadable invokes and stray text inside the block
         self._block_stray = ""  # text since the last invoke/opening marker of the block
         self._bare = False  # the open invoke has no calls wrapper
-        self._invoke = ""  # text of the open invoke, after its opening marker
-        self._scanned = 0  # _invoke[:_scanned] holds no complete closing marker
+        self._invoke: list[str] = []  # text of the open invoke after its opening marker, in pieces
+        self._invoke_tail = ""  # its last characters: where a closing marker may have begun
 
     @property
     def tool_calls(self) -> list[ToolCall]:
@@ -218,7 +219,7 @@ class ToolCallParser:
             self._flush_stray()
             if marker == INVOKE_START:
                 self._bare = self._state is _State.CONTENT
-                self._state, self._invoke, self._scanned = _State.INVOKE, "", 0
+                self._state, self._invoke, self._invoke_tail = _State.INVOKE, [], ""
             else:
                 self._state = _State.BLOCK
         return "".join(content), [ToolCallDelta(i, c) for i, c in enumerate(self._calls) if i >= first_new]
@@ -227,8 +228,9 @@ class ToolCallParser:
         """End of generation: an open invoke or block is returned as content; held text is released."""
         content: list[str] = []
         if self._state is _State.INVOKE:
-            self._block_leftovers.append(INVOKE_START + self._invoke)
-            self._block_raw += INVOKE_START + self._invoke
+            cut_off = INVOKE_START + "".join(self._invoke)
+            self._block_leftovers.append(cut_off)
+            self._block_raw += cut_off
             self._close_block(content)
         elif self._state is _State.BLOCK:
             self._plain(self._held, content)
@@ -277,19 +279,25 @@ class ToolCallParser:
         self._plain(returned, content)
 
     def _feed_invoke(self, text: str, content: list[str]) -> str:
-        """Add text to the open invoke; on its close record the call and return the text after it."""
-        self._invoke += text
-        start = max(0, self._scanned - max(len(INVOKE_END), len(TOOL_CALLS_END)) + 1)
-        ends = [(self._invoke.find(m, start), m) for m in (INVOKE_END, TOOL_CALLS_END)]
-        ends = [(pos, m) for pos, m in ends if pos >= 0]
+        """Add text to the open invoke; on its close record the call and return the text after it.
+
+        Only the tail of the earlier text and the new text are searched, so a long argument streamed
+        in many deltas costs O(its length) overall.
+        """
+        window = self._invoke_tail + text
+        ends = [(window.find(m), m) for m in (INVOKE_END, TOOL_CALLS_END) if m in window]
         if not ends:
-            self._scanned = len(self._invoke)
+            self._invoke.append(text)
+            self._invoke_tail = window[-_CLOSE_MARKER_LEN + 1:]
             return ""
         pos, marker = min(ends)
-        rest = self._invoke[pos + len(marker):]
-        whole = INVOKE_START + self._invoke[:pos + len(marker)]
+        invoke = "".join(self._invoke)
+        invoke = invoke[:len(invoke) - len(self._invoke_tail)] + window
+        pos += len(invoke) - len(window)
+        rest = invoke[pos + len(marker):]
+        whole = INVOKE_START + invoke[:pos + len(marker)]
         self._block_raw += whole
-        parsed = read_invoke(self._invoke[:pos], self._properties)
+        parsed = read_invoke(invoke[:pos], self._properties)
         if parsed is None:
             self._block_leftovers.append(whole)
         else:
@@ -297,7 +305,7 @@ class ToolCallParser:
             index = len(self._calls)
             self._calls.append(ToolCall(self._call_id(index), name, json.dumps(arguments, ensure_ascii=False)))
             self._block_calls += 1
-        self._invoke, self._scanned = "", 0
+        self._invoke, self._invoke_tail = [], ""
         if marker == TOOL_CALLS_END or self._bare:
             self._close_block(content)
         else:
