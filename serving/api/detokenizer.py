@@ -23,6 +23,9 @@ class IncrementalDetokenizer:
     """Text of one request's generated tokens, built piece by piece."""
 
     def __init__(self, tokenizer: Tokenizer, *, skip_special: bool = True):
+        if not tokenizer.byte_level:
+            raise ValueError("IncrementalDetokenizer needs a byte-level tokenizer (ByteLevel decoder), as "
+                             "V4.1's tokenizer.json has")
         self._tokenizer = tokenizer
         self._skip_special = skip_special
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")

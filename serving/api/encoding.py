@@ -1,19 +1,22 @@
 """The DeepSeek-V4.1 prompt encoding, in code (no chat template): OpenAI-style messages -> prompt text.
 
-A thinking-mode conversation with one tool and a tool result renders as (one line here per piece):
+A thinking-mode conversation with a tool call and its result renders as (one piece per line here):
 
-    <｜begin▁of▁sentence｜>                              BOS, once
-    <｜System｜>Reasoning Effort: 50 (range 1-100, ...)\\n\\n   thinking mode only, before message 0
-    You are helpful.\\n\\n## Tools\\n\\n...{"name": ...}\\n...   system prompt + tool definitions block
-    <｜User｜>What is the weather?
-    <｜Assistant｜></think>                              earlier turn: reasoning dropped
-    \\n\\n<｜DSML｜ calls>\\n<｜DSML｜ invoke name="get_weather">\\n
-    <｜DSML｜ parameter name="city" string="true">Paris</｜DSML｜ parameter>\\n</｜DSML｜ invoke>\\n
-    </｜DSML｜ calls><｜end▁of▁sentence｜>                 previous tool call, rendered back in DSML
-    <｜User｜><tool_result>{"temp": 21}</tool_result>      tool messages become user turns
-    <｜Assistant｜><think>                               generation prompt: the model starts thinking
+    <｜begin▁of▁sentence｜>                                   BOS, once
+    <｜System｜>Reasoning Effort: 50 (range 1-100, ...)\n\n     thinking mode only, before message 0
+    You are helpful.\n\n## Tools\n\nYou have access to ...     system prompt + tool definitions block
+    <｜User｜>Weather in Paris?
+    <｜Assistant｜><think>Use the tool.</think>                  reasoning kept (tools present)
+    \n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="get_weather">\n
+    <｜DSML｜ parameter name="city" string="true">Paris</｜DSML｜ parameter>\n
+    </｜DSML｜ invoke>\n</｜DSML｜ calls><｜end▁of▁sentence｜>      the previous call, rendered back in DSML
+    <｜User｜><tool_result>21C</tool_result>                     tool messages become user turns
+    <｜Assistant｜><think>                                      generation prompt: the model starts thinking
 
-(with tools present the reasoning of earlier turns is kept and rendered as `reasoning</think>`).
+Without tools, the reasoning of turns before the last user message is dropped and those turns open
+with `</think>`: `<｜User｜>Hi<｜Assistant｜></think>Hello!<｜end▁of▁sentence｜><｜User｜>Bye<｜Assistant｜><think>`.
+Chat mode (thinking off) has no effort line and every assistant turn opens with `</think>`.
+
 Rules follow DeepSeek's reference encoder as shipped in vLLM 0.33.0 (`deepseek_v41_encoding.py`);
 output matches it byte for byte on the tested cases. Serving controls follow the V4.1 recipe: thinking
 is ON at effort 50 when neither `thinking` nor `reasoning_effort` is given, and the named efforts are

@@ -76,7 +76,7 @@ class Tokenizer:
             token_id for token_id, added in hf.get_added_tokens_decoder().items() if added.special)
         marker_ids = {hf.token_to_id(m) for m in PARSER_MARKERS} - {None}
         self._skip_ids = self._special_ids - marker_ids
-        self._byte_level = isinstance(hf.decoder, decoders.ByteLevel)
+        self.byte_level = isinstance(hf.decoder, decoders.ByteLevel)  # token_bytes works
         self._bytes_cache: dict[int, bytes] = {}
 
     def _required_id(self, token: str, field: str) -> int:
@@ -87,7 +87,7 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ loading / saving
     @classmethod
-    def from_dir(cls, path: str | Path) -> "Tokenizer":
+    def from_dir(cls, path: str | Path) -> Tokenizer:
         """Read `tokenizer.json` (+ `tokenizer_config.json` for bos/eos/pad names, if present)."""
         folder = Path(path)
         tokenizer_json = folder / "tokenizer.json"
@@ -135,7 +135,7 @@ class Tokenizer:
         """
         cached = self._bytes_cache.get(token_id)
         if cached is None:
-            if not self._byte_level:
+            if not self.byte_level:
                 raise ValueError(f"{self._source}: token bytes need a ByteLevel decoder "
                                  f"(this tokenizer's is {type(self._hf.decoder).__name__})")
             piece = self._hf.id_to_token(token_id)

@@ -98,3 +98,17 @@ def test_cost_is_per_new_token(tok, monkeypatch):
     new = tok.encode("tail😀")
     assert det.push(new) == "tail😀"
     assert calls == new
+
+
+def test_rejects_a_tokenizer_without_byte_level_decoder():
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models
+
+    from serving.api.tokenizer import Tokenizer
+
+    vocab = {"<｜begin▁of▁sentence｜>": 0, "<｜end▁of▁sentence｜>": 1, "a": 2}
+    word_level = Tokenizer(HFTokenizer(models.WordLevel(vocab, unk_token="a")))
+    with pytest.raises(ValueError, match="needs a byte-level tokenizer"):
+        IncrementalDetokenizer(word_level)
+    with pytest.raises(ValueError, match="token bytes need a ByteLevel decoder"):
+        word_level.token_bytes(2)
