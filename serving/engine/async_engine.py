@@ -50,30 +50,23 @@ class AsyncEngine:
         return self.error is None and self._thread.is_alive()
 
     # -------------------------------------------------------------- event-loop side
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *, priority: int = 0,
-                       session_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs. Raises ValueError (bad request) or QueueFull before the first output."""
+    async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *, priority: int = 0,
+                     session_id: str | None = None) -> "RequestStream":
+        """Queue a request; raises ValueError (bad request), QueueFull or EngineDead before anything streams."""
         if not self.healthy:
             raise EngineDead(f"the engine stopped: {self.error!r}")
         accepted = self._loop.create_future()
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = stream
-        finished = False
+        stream = RequestStream(self, request_id)
+        self._streams[request_id] = stream.queue
         self._submit(("add", request_id, prompt_ids, params, priority, session_id, accepted))
         try:
             await accepted
-            while True:
-                out: RequestOutput = await stream.get()
-                if out.error is not None:
-                    raise EngineDead(out.error)
-                finished = out.finished
-                yield out
-                if finished:
-                    return
-        finally:
+        except BaseException:
             self._streams.pop(request_id, None)
-            if not finished:
+            if not accepted.done() or accepted.cancelled():  # cancelled while waiting: it may get admitted
                 self._submit(("abort", request_id))
+            raise
+        return stream
 
     def _submit(self, cmd: tuple) -> None:
         self._cmds.put(cmd)
@@ -134,6 +127,31 @@ class AsyncEngine:
                 return
             if cmd[0] == "add":
                 self._loop.call_soon_threadsafe(_set_exception, cmd[-1], EngineDead(message))
+
+
+class RequestStream:
+    """One request's outputs; iterate it, and `close()` (or leave the iteration early) to abort it."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str):
+        self.engine, self.request_id = engine, request_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                out: RequestOutput = await self.queue.get()
+                if out.error is not None:
+                    raise EngineDead(out.error)
+                self.finished = out.finished
+                yield out
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Abort unless finished; idempotent. The engine frees the blocks before its next step."""
+        if self.engine._streams.pop(self.request_id, None) is not None and not self.finished:
+            self.engine._submit(("abort", self.request_id))
 
 
 def _set_result(fut: asyncio.Future) -> None:

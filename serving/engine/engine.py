@@ -46,13 +46,14 @@ class EngineArgs:
     seed: int = 0
     tile: int = 8
     fake_quant: bool = False
+    token_buckets: tuple[int, ...] | None = None  # compiled step sizes; default: the runtime's ladder
 
     def runtime_config(self) -> RuntimeConfig:
         return RuntimeConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                              max_model_len=self.max_model_len, block_size=self.block_size,
                              kv_cache_dtype=self.kv_cache_dtype, kv_cache_memory=self.kv_cache_memory,
                              swa_bounded_replay=self.swa_bounded_replay, tile=self.tile, fake_quant=self.fake_quant,
-                             seed=self.seed)
+                             seed=self.seed, token_buckets=self.token_buckets)
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,

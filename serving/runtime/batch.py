@@ -56,19 +56,18 @@ class Buckets:
 
 
 def token_ladder(max_tokens: int, window: int, smallest: int = 1) -> tuple[int, ...]:
-    """Powers of two from `smallest` up to the window (decode batches), then multiples of the window
-    (coarser when large, as vLLM's replay capture sizes), ending at max_tokens."""
+    """Powers of two from `smallest` below the window (decode batches), then the window times 1, 2, 3, 4, 6,
+    8, 12, ... (each prefill keeps `window` rows after the cut, so segment 2's row counts are near multiples
+    of it; the geometric 1-2-3-4-6-8 series keeps padding under 50% with few compiled shapes), ending at
+    max_tokens."""
     out, b = [], smallest
     while b < min(window, max_tokens):
         out.append(b)
         b *= 2
-    b = window
-    step = window
-    while b < max_tokens:
-        out.append(b)
-        if b >= 8 * step:
-            step *= 2
-        b += step
+    m = 1
+    while window * m < max_tokens:
+        out.append(window * m)
+        m = m * 3 // 2 if m & (m - 1) == 0 and m >= 2 else m * 4 // 3 if m >= 3 else m + 1
     out.append(max_tokens)
     return tuple(sorted(set(out)))
 
@@ -147,7 +146,13 @@ def build_step(chunks: Sequence[SeqChunk], buckets: Buckets, *, max_blocks: int,
     T2 = kept_bucket or buckets.token_bucket(len(kept_idx))
     kept = np.zeros(T2, np.int32)
     kept[: len(kept_idx)] = kept_idx
-    step2 = {"kept": kept, "valid": np.arange(T2) < len(kept_idx),
+    rows_next = np.zeros(T2, np.int32)  # row logprobs: the token after each kept row (0 past the known ones)
+    for r, ch in enumerate(chunks):
+        if ch.row_logprobs:
+            nxt = ch.token_ids[ch.start + 1:ch.end + 1]
+            rows_next[req["kept_first"][r]:req["kept_first"][r] + len(nxt)] = nxt
+    step2 = {"kept": kept, "valid": np.arange(T2) < len(kept_idx), "rows_next": rows_next,
+             "rows_wanted": np.array(any(ch.row_logprobs for ch in chunks)),
              **{f"req_{k}": v for k, v in req.items()},
              **_tiles(req["kept_first"][: len(chunks)], req["kept_qlen"][: len(chunks)], buckets.tile,
                       buckets.tiles(T2)),

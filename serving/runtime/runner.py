@@ -25,7 +25,7 @@ from serving.runtime import kv_cache, segments
 from serving.runtime.batch import Buckets, SeqChunk, build_step, token_ladder
 from serving.runtime.kv_cache import CacheLayout
 from serving.runtime.sampler import sample, sampling_arrays
-from serving.sampling_params import MAX_LOGPROBS, SamplingParams
+from serving.sampling_params import SamplingParams
 
 
 class CompileInServingLoop(RuntimeError):
@@ -69,6 +69,10 @@ class RuntimeConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "tile", "max_top_k"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.token_buckets is not None and (not self.token_buckets or min(self.token_buckets) < 1
+                                               or max(self.token_buckets) < self.max_num_batched_tokens):
+            raise ValueError(f"token_buckets {self.token_buckets} must be positive and reach "
+                             f"max_num_batched_tokens ({self.max_num_batched_tokens})")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every running request needs a row)")
 
@@ -117,14 +121,8 @@ class Runner:
             with jax.named_scope("segment2"):
                 return segments.segment2(merge(leaves), self.layout, cache, carry_buf, b, **kw)
 
-        def rows(leaves, h_TD, next_T):
-            with jax.named_scope("row_logprobs"):
-                logp = jax.nn.log_softmax(merge(leaves).head(h_TD, jnp.float32), axis=-1)
-                top_lp, top_ids = jax.lax.top_k(logp, min(MAX_LOGPROBS, logp.shape[-1]))
-                return jnp.take_along_axis(logp, next_T[:, None], axis=-1)[:, 0], top_ids, top_lp
-
         self._fns = {"seg1": jax.jit(seg1, donate_argnums=(1, 2)), "seg2": jax.jit(seg2, donate_argnums=1),
-                     "sample": jax.jit(functools.partial(sample, max_top_k=rc.max_top_k)), "rows": jax.jit(rows)}
+                     "sample": jax.jit(functools.partial(sample, max_top_k=rc.max_top_k))}
         # Segment 1 leaves its rows in a persistent buffer of the largest bucket, which segment 2 reads: the
         # kept-row gather then lives in segment 2 and no function is compiled per (tokens, kept rows) pair.
         top = self.buckets.tokens[-1]
@@ -159,7 +157,7 @@ class Runner:
 
     def bucket_keys(self) -> list[tuple]:
         T = self.buckets.tokens
-        return [("seg1", t) for t in T] + [("seg2", t) for t in T] + [("sample",)] + [("rows", t) for t in T]
+        return [("seg1", t) for t in T] + [("seg2", t) for t in T] + [("sample",)]
 
     def precompile(self, keys: Sequence[tuple] | None = None) -> float:
         """Compile every bucket (or `keys`); returns the seconds spent."""
@@ -184,11 +182,8 @@ class Runner:
             R, V = self.rc.max_num_seqs, self.config.vocab_size
             p = sampling_arrays([], [], R, 0)
             self._compile(key, "sample", jax.ShapeDtypeStruct((R, V), jnp.float32), p)
-        elif name == "rows":
-            h = jax.ShapeDtypeStruct((key[1], self.config.hidden_size), self.model.dtype)
-            self._compile(key, "rows", self._leaves, h, jax.ShapeDtypeStruct((key[1],), jnp.int32))
         else:
-            raise ValueError(f"unknown bucket key {key}; keys are ('seg1', T), ('seg2', T), ('sample',), ('rows', T)")
+            raise ValueError(f"unknown bucket key {key}; keys are ('seg1', T), ('seg2', T), ('sample',)")
 
     def _exe_for(self, key: tuple):
         exe = self._exe.get(key)
@@ -210,43 +205,32 @@ class Runner:
         """Run one step; the logits [max_num_seqs, vocab] of each request's last row (device array)."""
         return self._segments(chunks)[1]
 
-    def _segments(self, chunks: Sequence[SeqChunk]) -> tuple[dict, jax.Array, jax.Array]:
+    def _segments(self, chunks: Sequence[SeqChunk]) -> tuple[dict, jax.Array, tuple]:
         with jax.profiler.TraceAnnotation("runner.build"):
             b1, b2 = self._build(chunks)
         T, T2 = len(b1["ids"]), len(b2["kept"])
         with jax.profiler.TraceAnnotation("runner.segment1"):
             self.cache, self.carry_buf = self._exe_for(("seg1", T))(self._leaves, self.cache, self.carry_buf, b1)
         with jax.profiler.TraceAnnotation("runner.segment2"):
-            self.cache, logits, hidden = self._exe_for(("seg2", T2))(self._leaves, self.cache, self.carry_buf, b2)
-        return b2, logits, hidden
+            self.cache, logits, rows = self._exe_for(("seg2", T2))(self._leaves, self.cache, self.carry_buf, b2)
+        return b2, logits, rows
 
     def step(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams | None]) -> StepOutput:
         """Run one step and sample each request's next token; row logprobs for chunks that ask for them."""
-        b2, logits, hidden = self._segments(chunks)
+        b2, logits, rows = self._segments(chunks)
         p = sampling_arrays(list(params), [ch.end for ch in chunks], self.rc.max_num_seqs, self.rc.seed)
         with jax.profiler.TraceAnnotation("runner.sample"):
             sampled = self._exe_for(("sample",))(logits, p)
-        wanted = [i for i, ch in enumerate(chunks) if ch.row_logprobs]
-        rows = self._row_logprobs(chunks, wanted, b2, hidden) if wanted else None
         n = len(chunks)
         tok, logprob, top_ids, top_lp = (np.asarray(a)[:n] for a in sampled)
         out = {}
-        if rows is not None:
+        if b2["rows_wanted"]:
             lp, ids, tlp = (np.asarray(a) for a in rows)
-            for i in wanted:
-                sl = slice(b2["req_kept_first"][i], b2["req_kept_first"][i] + b2["req_kept_qlen"][i])
-                out[i] = RowLogprobs(lp[sl], ids[sl], tlp[sl])
+            for i, ch in enumerate(chunks):
+                if ch.row_logprobs:
+                    sl = slice(b2["req_kept_first"][i], b2["req_kept_first"][i] + b2["req_kept_qlen"][i])
+                    out[i] = RowLogprobs(lp[sl], ids[sl], tlp[sl])
         return StepOutput(tok, logprob, top_ids, top_lp, out)
-
-    def _row_logprobs(self, chunks, wanted, b2, hidden):
-        """Log-probabilities of each wanted row's next token (0 past the chunk's known tokens)."""
-        nxt = np.zeros(len(b2["kept"]), np.int32)
-        for i in wanted:
-            ch, f = chunks[i], b2["req_kept_first"][i]
-            ids = ch.token_ids[ch.start + 1:ch.end + 1]
-            nxt[f:f + len(ids)] = ids
-        with jax.profiler.TraceAnnotation("runner.row_logprobs"):
-            return self._exe_for(("rows", len(nxt)))(self._leaves, hidden, nxt)
 
 
 def _spec(a) -> jax.ShapeDtypeStruct:
@@ -264,3 +248,11 @@ def _bar(done: int, total: int, what: str, seconds: float) -> None:
     if done == total:
         sys.stderr.write("\n")
     sys.stderr.flush()
+
+
+def enable_compilation_cache(path: str | None) -> None:
+    """Keep compiled buckets on disk (JAX's persistent cache), so a restart loads instead of recompiling.
+    Process-wide; `None` or "" leaves it off."""
+    if path:
+        jax.config.update("jax_compilation_cache_dir", str(path))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

@@ -5,8 +5,8 @@ segment 1  every row of the step: embedding, layers 0 .. cut-1, then the cut lay
 segment 2  the kept rows (all of them with replay off; each prefill's last `window` rows with decoder
            replay on; decode rows always): the rest of the cut layer - queries, indexer and candidates,
            attention, its SWA ring write - and layers cut+1 .. L-1, then the logits of each request's
-           last row and the final hidden state of every kept row (for prompt logprobs). Its shapes are
-           its own row buckets, so trimming costs no recompilation.
+           last row, and (under a cond, when a chunk asks) every kept row's next-token logprobs. Its
+           shapes are its own row buckets, so trimming costs no recompilation.
 Decode steps run through the same two functions with every row kept.
 """
 
@@ -23,6 +23,7 @@ from serving.runtime.attention import Tiles, attention, flat_band, gathered_band
 from serving.runtime.decoder_replay import gather_kept
 from serving.runtime.global_kv import TokenMeta
 from serving.runtime.kv_cache import CacheLayout
+from serving.sampling_params import MAX_LOGPROBS
 
 REQ_KEYS = ("slot", "start", "end", "first", "qlen", "kv_floor", "write_floor", "dec_floor", "kept_first",
             "kept_qlen", "logit_row", "block_table", "valid", "sample")
@@ -115,7 +116,8 @@ def segment1(module, layout: CacheLayout, cache: dict, carry_buf: dict, b: dict,
 
 def segment2(module, layout: CacheLayout, cache: dict, carry_buf: dict, b: dict, *, tile: int, fake_quant: bool
              ) -> tuple[dict, jax.Array, jax.Array]:
-    """(cache, logits of each request's last row [max_num_seqs, V], final hidden of every kept row [T2, D])."""
+    """(cache, logits of each request's last row [max_num_seqs, V], row logprobs of every kept row: next-token
+    logprob [T2] and top ids / logprobs [T2, MAX_LOGPROBS] - zeros unless a chunk asked for them)."""
     c, cut = layout.config, layout.config.cut_layer
     carry = gather_kept(carry_buf, b, window=layout.window, tile=tile)
     req = _req(b)
@@ -138,7 +140,21 @@ def segment2(module, layout: CacheLayout, cache: dict, carry_buf: dict, b: dict,
             s = ffn_and_output(block, c, R, mix, y, carry["ids"])
     with jax.named_scope("logits"):
         R, pre = final_streams(s)
-        h_TD = module.norm(hc_collapse(R, pre))  # every kept row: prompt logprobs read the rows they keep
+        h_TD = module.norm(hc_collapse(R, pre))
         logits = module.head(h_TD[req["logit_row"]], jnp.float32)
-    return cache, logits, h_TD
+    with jax.named_scope("row_logprobs"):  # prompt logprobs: the head on every kept row, only when asked
+        rows = jax.lax.cond(b["rows_wanted"], lambda: _row_logprobs(module, h_TD, b["rows_next"]),
+                            lambda: _no_row_logprobs(h_TD.shape[0], c.vocab_size))
+    return cache, logits, rows
+
+
+def _row_logprobs(module, h_TD: jax.Array, next_T: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    logp = jax.nn.log_softmax(module.head(h_TD, jnp.float32), axis=-1)
+    top_lp, top_ids = jax.lax.top_k(logp, min(MAX_LOGPROBS, logp.shape[-1]))
+    return jnp.take_along_axis(logp, next_T[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_lp
+
+
+def _no_row_logprobs(T: int, V: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    K = min(MAX_LOGPROBS, V)
+    return jnp.zeros((T,), jnp.float32), jnp.zeros((T, K), jnp.int32), jnp.zeros((T, K), jnp.float32)
 

@@ -1,0 +1,185 @@
+"""The OpenAI-compatible HTTP server (FastAPI): routes, auth, body limits and the error contract.
+
+Error contract: bad input -> 4xx in OpenAI's error format naming the problem (400 invalid request, 401
+missing/wrong API key, 404 unknown model or route, 413 body too large, 503 queue full); the server never
+answers 500 to bad input. A non-streaming request whose client disconnects is aborted within a step; a
+streaming one when its stream is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from serving.api.chat import Context, chat_completion
+from serving.api.completions import completion
+from serving.api.generation import SSE_DONE, now, sse
+from serving.api.protocol import ChatCompletionRequest, CompletionRequest
+from serving.engine.async_engine import AsyncEngine, EngineDead
+from serving.engine.scheduler import QueueFull
+
+log = logging.getLogger("serving.api")
+
+
+def error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "RequestTooLarge",
+            503: "ServiceUnavailableError"}.get(status, "InternalServerError")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
+                        status_code=status)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    parts, param = [], None
+    for e in exc.errors():
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        if e.get("type") == "json_invalid":
+            parts.append(f"the body is not valid JSON: {e.get('msg')}")
+            continue
+        where = ".".join(loc) or "body"
+        param = param or where
+        parts.append(f"{where}: {e.get('msg')}" + (f" (got {e['input']!r})" if "input" in e and loc else ""))
+    return "; ".join(parts) or "invalid request", param
+
+
+class Gate:
+    """ASGI middleware in front of every route: the API key on /v1 (401), and request bodies over `limit`
+    bytes refused (413), by header or while streaming in. Pure ASGI, so streaming and disconnects pass through."""
+
+    def __init__(self, app, limit: int, api_key: str | None):
+        self.app, self.limit, self.api_key = app, limit, api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        if self.api_key is not None and scope["path"].startswith("/v1"):
+            if headers.get(b"authorization", b"") != f"Bearer {self.api_key}".encode():
+                return await error(401, "missing or wrong API key (send 'Authorization: Bearer <key>')")(
+                    scope, receive, send)
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await error(413, f"request body of {int(declared)} bytes exceeds the limit of {self.limit}")(
+                scope, receive, send)
+        pending, total, more = [], 0, True
+        while more:  # read the body up front (FastAPI would anyway) so an oversize one never reaches the app
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return  # the client left
+            total += len(msg.get("body", b""))
+            if total > self.limit:
+                return await error(413, f"request body exceeds the limit of {self.limit} bytes")(scope, receive, send)
+            pending.append(msg)
+            more = msg.get("more_body", False)
+
+        async def replay():
+            return pending.pop(0) if pending else await receive()
+
+        await self.app(scope, replay, send)
+
+
+def build_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len: int, api_key: str | None = None,
+              max_body_bytes: int = 32 << 20) -> FastAPI:
+    app = FastAPI(title="dsv41-jax", docs_url=None, redoc_url=None)
+    app.add_middleware(Gate, limit=max_body_bytes, api_key=api_key)
+    ctx = Context(engine, tokenizer, model_name)
+    metrics = engine.engine.metrics
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_, exc: RequestValidationError):
+        msg, param = _validation_message(exc)
+        return error(400, msg, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_, exc: StarletteHTTPException):
+        return error(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _internal(_, exc: Exception):  # a bug: say so, keep serving
+        log.exception("internal error")
+        return error(500, f"internal error: {exc!r}")
+
+    @app.get("/health")
+    async def health():
+        if not engine.healthy:
+            return error(503, f"the engine stopped: {engine.error!r}")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": now(),
+                                            "owned_by": "dsv41-jax", "root": model_name,
+                                            "max_model_len": max_model_len}]}
+
+    async def run(request: Request, body, handler):
+        if body.model is not None and body.model != model_name:
+            return error(404, f"model {body.model!r} does not exist; this server serves {model_name!r}", "model")
+        if ignored := body.ignored_fields():
+            log.warning("ignoring unknown request fields %s", ignored)
+        if msg := body.unsupported():
+            return error(400, msg, msg.split(":")[0])
+        session = request.headers.get("x-session-id")
+        try:
+            result = await handler(body, ctx, session)
+        except ValueError as e:
+            return error(400, str(e))
+        except QueueFull as e:
+            return error(503, f"{e}; retry later")
+        except EngineDead as e:
+            return error(503, str(e))
+        if isinstance(result, dict):
+            return result
+        return StreamingResponse(_guard(result), media_type="text/event-stream")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request, body: ChatCompletionRequest):
+        return await _until_disconnect(request, run(request, body, chat_completion))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest):
+        return await _until_disconnect(request, run(request, body, completion))
+
+    return app
+
+
+async def _guard(lines: AsyncIterator[str]) -> AsyncIterator[str]:
+    """An engine failure mid-stream becomes an SSE error event instead of a broken connection."""
+    try:
+        async for line in lines:
+            yield line
+    except EngineDead as e:
+        yield sse({"error": {"message": str(e), "type": "ServiceUnavailableError", "code": 503}})
+        yield SSE_DONE
+    finally:
+        await lines.aclose()
+
+
+async def _until_disconnect(request: Request, work):
+    """Run a handler; if the client goes away first, cancel it (its streams close and abort)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected():
+        while not task.done():
+            if await request.is_disconnected():
+                return
+            await asyncio.sleep(0.25)
+
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if not task.done():
+        task.cancel()
+        log.info("client disconnected; request aborted")
+        return Response(status_code=499)
+    return task.result()

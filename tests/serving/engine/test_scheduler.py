@@ -1,0 +1,139 @@
+"""The scheduler on its own (no model): budgets, chunking, admission with prefix hits and the replay rewind,
+preemption, queue limits and priorities - invariants checked on every step of randomized runs."""
+
+import random
+
+import pytest
+
+import dsv41
+from serving.engine.request import Request, Status
+from serving.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
+from serving.runtime.block_manager import BlockManager
+from serving.sampling_params import SamplingParams
+
+CFG = dsv41.ModelConfig.preset("tiny")  # window 8: a hit of H > 8 tokens restarts at H - 8
+BS = 8
+
+
+def _sched(num_blocks=64, **kw):
+    cfg = SchedulerConfig(**{"max_num_seqs": 4, "max_num_batched_tokens": 32, **kw})
+    return Scheduler(cfg, CFG, BlockManager(num_blocks, BS, cfg.enable_prefix_caching))
+
+
+def _req(rid, n, seed=0, **kw):
+    rng = random.Random(seed)
+    return Request(rid, [rng.randrange(3, 500) for _ in range(n)], SamplingParams(temperature=0), **kw)
+
+
+def _finish_step(s, sched, token=7):
+    """What the engine does after a step: mark rows computed, append a token where the chunk samples."""
+    for x in sched:
+        s.computed(x)
+        if x.sample:
+            x.request.token_ids.append(token)
+
+
+def test_budget_chunking_and_decode_rows():
+    s = _sched()
+    a, b = _req("a", 50), _req("b", 5, seed=1)
+    s.add(a), s.add(b)
+    first = s.schedule()
+    assert [(x.request.request_id, x.start, x.end) for x in first] == [("a", 0, 32)]
+    _finish_step(s, first)
+    second = s.schedule()  # a's last 18 tokens, then b in the 14 left
+    assert [(x.request.request_id, x.start, x.end, x.sample) for x in second] == [("a", 32, 50, True),
+                                                                                  ("b", 0, 5, True)]
+    _finish_step(s, second)
+    third = s.schedule()
+    assert [(x.start, x.end) for x in third] == [(50, 51), (5, 6)]  # one decode row each
+
+
+def test_long_prefill_cap_applies_with_company():
+    s = _sched(long_prefill_token_threshold=8)
+    s.add(_req("a", 30)), s.add(_req("b", 30, seed=2))
+    assert [x.end - x.start for x in s.schedule()] == [8, 8]
+
+
+def test_lone_request_is_not_capped():
+    s = _sched(long_prefill_token_threshold=8)
+    s.add(_req("a", 30))
+    assert [x.end - x.start for x in s.schedule()] == [30]
+
+
+def test_prefix_hit_rewinds_by_the_window_and_counts_cached_tokens():
+    s = _sched()
+    a = _req("a", 40)
+    s.add(a)
+    _finish_step(s, s.schedule())  # prefill 40 -> blocks 0..4 full and registered
+    s.remove(a)
+    b = Request("b", a.prompt_ids[:33] + [9, 9, 9], SamplingParams(temperature=0))
+    s.add(b)
+    x = s.schedule()[0]
+    assert (b.cached_tokens, b.plan.replay_start, b.plan.write_floor) == (32, 24, 32)
+    assert (x.start, x.end) == (24, 36)
+
+
+def test_prompt_logprob_requests_skip_the_prefix_cache():
+    s = _sched()
+    a = _req("a", 40)
+    s.add(a)
+    _finish_step(s, s.schedule())
+    s.remove(a)
+    b = Request("b", list(a.prompt_ids), SamplingParams(temperature=0, prompt_logprobs=1))
+    s.add(b)
+    assert s.schedule()[0].start == 0 and b.cached_tokens == 0
+
+
+def test_preemption_frees_blocks_and_resumes_first():
+    s = _sched(num_blocks=8)  # 64 tokens in all
+    a, b = _req("a", 30), _req("b", 25, seed=1)
+    s.add(a), s.add(b)
+    _finish_step(s, s.schedule())  # a: 4 blocks
+    _finish_step(s, s.schedule())  # b admitted: 4 blocks; pool empty
+    assert s.blocks.num_free_blocks == 0
+    for _ in range(2):
+        _finish_step(s, s.schedule())  # a grows past 32 -> needs a 5th block: b (the last) is preempted
+    assert b.status is Status.WAITING and b.num_preemptions == 1 and s.num_preemptions == 1
+    assert b.num_computed == 0 and b.slot is None and b.cached_tokens == 0
+    assert s._peek() is b  # resumes before anything newer
+
+
+def test_queue_limit_and_priority_order():
+    s = _sched(max_queued_requests=2, policy="priority")
+    s.add(_req("late", 5, priority=5)), s.add(_req("urgent", 5, priority=-1))
+    with pytest.raises(QueueFull):
+        s.add(_req("x", 5))
+    assert [x.request.request_id for x in s.schedule()] == ["urgent", "late"]
+
+
+def test_randomized_runs_keep_the_invariants():
+    """Random arrivals, lengths and aborts on a small pool: budget and slots never exceed the limits, every
+    scheduled chunk is covered by blocks, refcounts match the live tables, and all blocks come back."""
+    rng = random.Random(0)
+    s = _sched(num_blocks=20, long_prefill_token_threshold=12)
+    live, n = [], 0
+    for step in range(400):
+        if rng.random() < 0.3 and n < 60:
+            r = _req(f"r{n}", rng.randrange(1, 70), seed=n)
+            r.params = SamplingParams(temperature=0, max_tokens=rng.randrange(1, 20))
+            s.add(r)
+            live.append(r)
+            n += 1
+        sched = s.schedule()
+        assert sum(x.end - x.start for x in sched) <= 32 and len(s.running) <= 4
+        assert len({x.request.slot for x in sched}) == len(sched)
+        for x in sched:
+            assert len(s.blocks.block_table(x.request.request_id)) * BS >= x.end
+        _finish_step(s, sched)
+        for r in list(live):
+            if r.status is Status.RUNNING and (r.num_output >= r.params.max_tokens or rng.random() < 0.02):
+                s.remove(r)
+                live.remove(r)
+        refs = {}
+        for r in s.running:
+            for blk in s.blocks.block_table(r.request_id):
+                refs[blk] = refs.get(blk, 0) + 1
+        assert refs == {b: c for b, c in enumerate(s.blocks._ref) if c}
+    for r in list(live):
+        s.remove(r)
+    assert s.blocks.num_free_blocks == 20 and sorted(s.free_slots) == [0, 1, 2, 3] and n > 40
