@@ -278,7 +278,7 @@ def run(args: argparse.Namespace, transport: httpx.AsyncBaseTransport | None = N
 def format_report(result: dict) -> str:
     s, cfg = result["summary"], result["settings"]
     pcts = [k[: -len("_ttft_ms")] for k in s if k.startswith("p") and k.endswith("_ttft_ms")]
-    lines = ["{s:=^64}".format(s=" Serving Benchmark Result "),
+    lines = [f"{' Serving Benchmark Result ':=^64}",
              f"{'Model / endpoint / dataset:':<40} {cfg['model']} / {cfg['endpoint']} / {cfg['dataset']}",
              f"{'Lanes (max concurrency):':<40} {cfg['lanes']}"]
 
@@ -300,10 +300,10 @@ def format_report(result: dict) -> str:
     row("Prefix-hit rate (cached / prompt):", s["prefix_hit_rate"], "{:.2%}")
     for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
                         ("itl", "Inter-token Latency (pooled gaps)"), ("e2el", "End-to-end Latency")):
-        lines.append("{s:-^64}".format(s=title))
+        lines.append(f"{title:-^64}")
         for stat in ("mean", "median", *pcts):
             row(f"{stat.upper() if stat in pcts else stat.capitalize()} {name.upper()} (ms):", s[f"{stat}_{name}_ms"])
-    lines.append("{s:-^64}".format(s="Interactivity (InferenceX: 1 / per-request ITL)"))
+    lines.append(f"{'Interactivity (InferenceX: 1 / per-request ITL)':-^64}")
     for k in [k for k in s if k.endswith("_interactivity_tok_s")]:
         stat = k.split("_")[0]
         row(f"{stat.upper() if stat != 'mean' else 'Mean'} interactivity (tok/s/user):", s[k])

@@ -148,7 +148,7 @@ def run_hf(args: argparse.Namespace, token_ids: str) -> dict:
     cmd = [args.hf_python, str(HF_GENERATE), "--model", str(args.hf_model), "--batch-size", str(args.concurrency),
            "--dtype", args.dtype, "--threads", str(args.hf_threads), "--num-warmups", str(args.num_warmups),
            "--output-json", str(out), *workload_flags(args, token_ids)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)  # its log is kept either way
     (args.log_dir / "hf.log").write_text(done.stdout + done.stderr)
     if done.returncode:
         raise RuntimeError(f"hf_generate failed ({done.returncode}); log {args.log_dir / 'hf.log'}:\n"
@@ -175,8 +175,8 @@ def comparison(ours: dict, hf: dict) -> list[dict]:
 def format_table(result: dict) -> str:
     o, h = result["models"]["ours"], result["models"]["hf"]
     w = result["workload"]
-    lines = [f"workload: {w['num_prompts']} prompts x {w['input_len']} in / {w['output_len']} out, "
-             f"concurrency {w['concurrency']}, {w['dtype']}, ids {w['token_id_range']}, seed {w['seed']}",
+    lines = [(f"workload: {w['num_prompts']} prompts x {w['input_len']} in / {w['output_len']} out, "
+              f"concurrency {w['concurrency']}, {w['dtype']}, ids {w['token_id_range']}, seed {w['seed']}"),
              f"ours: {o['path']} ({o['model_type']}, {o['parameters'] / 1e6:.2f}M params)",
              f"HF:   {h['path']} ({h['model_type']}, {h['parameters'] / 1e6:.2f}M params)",
              f"{'metric':<30} {'ours':>12} {'HF':>12} {'ours/HF':>9}  better"]

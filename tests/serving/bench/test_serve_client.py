@@ -2,6 +2,7 @@
 headers, SSE parsing, usage and cached tokens, sequential turns per session, the lane cap, error counting."""
 
 import asyncio
+import itertools
 import json
 import time
 
@@ -87,7 +88,7 @@ def test_multi_turn_sessions_are_sequential_lanes_capped_and_usage_counted():
     assert len(by_session) == 4
     for reqs in by_session.values():
         assert [len(r["body"]["prompt"]) for r in reqs] == [25, 34, 43]  # + reply 4 + suffix 5 per turn
-        for prev, nxt in zip(reqs, reqs[1:]):
+        for prev, nxt in itertools.pairwise(reqs):
             assert nxt["start"] >= prev["end"]  # turn k+1 only after turn k finished
             assert nxt["body"]["prompt"][:len(prev["body"]["prompt"])] == prev["body"]["prompt"]
     # usage: 4 sessions x (25 + 34 + 43) prompt tokens; cached = previous turn's prompt (0, 25, 34)

@@ -52,9 +52,9 @@ def test_server_is_started_health_checked_measured_and_stopped(tmp_path):
 
 def test_server_that_dies_is_reported_with_its_log(tmp_path):
     cmd = [sys.executable, "-c", "import sys; print('cannot load model'); sys.exit(3)"]
-    with pytest.raises(RuntimeError, match="(?s)code 3.*cannot load model"):
-        with side_by_side.server_process(cmd, side_by_side.free_port(), tmp_path / "s.log", startup_timeout=60):
-            pass
+    with (pytest.raises(RuntimeError, match="(?s)code 3.*cannot load model"),
+          side_by_side.server_process(cmd, side_by_side.free_port(), tmp_path / "s.log", startup_timeout=60)):
+        pass
 
 
 def test_comparison_rows_and_table():
