@@ -6,7 +6,8 @@ Both are release-layout folders (config.json + model.safetensors, unquantized, `
 `dsv41.checkpoint.save_checkpoint`, the layout `dsv41.load` and HF's `from_pretrained` both read.
 The V4.1 model keeps every dimension of the V4 one; only the attention layout differs as the families
 require: V4 ratios 0 / 4 (CSA) / 128 (HCA) / 4 with a hash-routed first layer, V4.1 ratios 0 / 2 / 1 / 1
-with layers 1 and 2 as KV and index sources (layer 3 a CED decoder layer), no Engram and no DSpark.
+with layers 1 and 2 as KV sources, 1-3 as index sources and layer 2 as the candidate source for layer 3's
+top-k (layer 3 a CED decoder layer), no Engram and no DSpark.
 `peer` is the 78.5M-parameter V4 the peer tooling measured vLLM and HF on (/work/shared/peer/make_tiny_v4.py).
 No tokenizer.json is written (the benchmark sends token ids).
 """
@@ -50,8 +51,12 @@ def release_configs(size: str) -> tuple[dict, dict]:
     dims = {**_COMMON, **SIZES[size]}
     v4 = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", **dims,
           "compress_ratios": [0, 4, 128, 4], "num_hash_layers": 1}
+    # candidate block size x count covers index_topk ((K - 1) x size + 1 >= topk, config validation)
+    block = 4 if dims["index_topk"] <= 64 else 16
     text = {"model_type": "deepseek_v41_text", **dims, "compress_ratios": [0, 2, 1, 1],
-            "kv_source_layer_ids": [1, 2], "index_source_layer_ids": [1, 2], "engram_layer_ids": []}
+            "kv_source_layer_ids": [1, 2], "index_source_layer_ids": [1, 2, 3], "candidate_source_layer_id": 2,
+            "candidate_block_size": block, "candidate_topk_blocks": -(-(dims["index_topk"] - 1) // block) + 1,
+            "engram_layer_ids": []}
     v41 = {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41",
            "bos_token_id": dims["bos_token_id"], "eos_token_id": dims["eos_token_id"], "text_config": text}
     return v4, v41
