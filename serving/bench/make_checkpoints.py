@@ -9,7 +9,8 @@ require: V4 ratios 0 / 4 (CSA) / 128 (HCA) / 4 with a hash-routed first layer, V
 with layers 1 and 2 as KV sources, 1-3 as index sources and layer 2 as the candidate source for layer 3's
 top-k (layer 3 a CED decoder layer), no Engram and no DSpark.
 `peer` is the 78.5M-parameter V4 the peer tooling measured vLLM and HF on (/work/shared/peer/make_tiny_v4.py).
-No tokenizer.json is written (the benchmark sends token ids).
+Both folders get the built-in byte-level tokenizer (`serving.api.tokenizer.byte_level_tokenizer`, V4.1
+special tokens) when that module is present; the benchmark itself sends token ids and needs none.
 """
 
 from __future__ import annotations
@@ -74,6 +75,16 @@ def write_checkpoint(folder: Path, release: dict, seed: int, dtype: str) -> int:
     return sum(int(np.prod(v.shape)) for v in model.params.values())
 
 
+def write_tokenizer(folder: Path, vocab_size: int) -> bool:
+    """The byte-level tokenizer into `folder`; False when `serving.api.tokenizer` is not installed."""
+    try:
+        from serving.api.tokenizer import byte_level_tokenizer
+    except ImportError:
+        return False
+    byte_level_tokenizer(vocab_size).write(folder)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m serving.bench.make_checkpoints", description=__doc__.split("\n\n")[0])
     p.add_argument("outdir", type=Path)
@@ -82,14 +93,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     v4, v41 = release_configs(args.size)
-    counts = {}
+    counts, tokenizer = {}, False
     for name, release in (("v4", v4), ("v41", v41)):
         counts[name] = write_checkpoint(args.outdir / name, release, args.seed, args.dtype)
+        tokenizer = write_tokenizer(args.outdir / name, v4["vocab_size"])
         print(f"{args.outdir / name}: {release['model_type']}, {counts[name] / 1e6:.2f}M parameters")
     (args.outdir / "make_checkpoints.json").write_text(json.dumps(
-        {"size": args.size, "dtype": args.dtype, "seed": args.seed, "parameters": counts, "tokenizer": None},
-        indent=1))
-    print("no tokenizer.json written: the benchmark sends token-id prompts")
+        {"size": args.size, "dtype": args.dtype, "seed": args.seed, "parameters": counts,
+         "tokenizer": "byte-level" if tokenizer else None}, indent=1))
+    print("tokenizer.json: the byte-level tokenizer" if tokenizer else
+          "no tokenizer.json (serving.api.tokenizer is not installed): token-id prompts only")
     return 0
 
 

@@ -38,3 +38,11 @@ def test_peer_size_matches_the_peer_v4():
     assert dsv41.ModelConfig.from_release_dict(v41).family == "v41"
     with pytest.raises(ValueError, match="unknown --size"):
         make_checkpoints.release_configs("huge")
+
+
+def test_byte_level_tokenizer_is_written_when_available(tmp_path):
+    tok = pytest.importorskip("serving.api.tokenizer", reason="serving.api.tokenizer is not in this checkout")
+    assert make_checkpoints.write_tokenizer(tmp_path, 512)
+    loaded = tok.Tokenizer.from_dir(tmp_path)
+    # the chat workload's letters are one token each
+    assert len(loaded.encode("abcxyz")) == 6 and loaded.decode(loaded.encode("hello")) == "hello"
