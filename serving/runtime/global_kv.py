@@ -106,11 +106,12 @@ def dense_topk(layout: CacheLayout, ix: Indexer, q_Thc: jax.Array, w_Th: jax.Arr
         q, w = q_Thc[rows], w_Th[rows]
         visible = (pos_T[rows] + 1) // ratio
         n_blocks_visible = -(-visible // cbs)
-        init = (jnp.full((tiles.size, k), -jnp.inf), jnp.full((tiles.size, k), -1, jnp.int32),
-                jnp.full((tiles.size, K), -jnp.inf), jnp.full((tiles.size, K), -1, jnp.int32))
+        init = (jnp.full((tiles.size, k), -jnp.inf), jnp.full((tiles.size, k), -1, jnp.int32))
+        if candidates:  # only the candidate source carries block scores (a model may have no candidates)
+            init += (jnp.full((tiles.size, K), -jnp.inf), jnp.full((tiles.size, K), -1, jnp.int32))
 
         def body(b, carry):
-            vals, ids, cvals, cids = carry
+            vals, ids, *cand = carry
             kb = kv_cache.decode(layout, "keys", keys_cache[tiles.block_table[r, b]])  # [rpb, c]
             rid = b * rpb + jnp.arange(rpb)
             s = jnp.where(rid[None] < visible[:, None], index_scores(q, w, kb), -jnp.inf)
@@ -120,15 +121,16 @@ def dense_topk(layout: CacheLayout, ix: Indexer, q_Thc: jax.Array, w_Th: jax.Arr
                 bs = jnp.max(s.reshape(tiles.size, rpb // cbs, cbs), axis=-1)
                 bs = jnp.where(bid[None] < n_blocks_visible[:, None], bs, -jnp.inf)
                 bs = jnp.where(bid[None] == (n_blocks_visible - 1)[:, None], jnp.inf, bs)
-                cvals, cids = _merge_topk(cvals, cids, bs, bid, K)
-            return vals, ids, cvals, cids
+                cand = _merge_topk(*cand, bs, bid, K)
+            return vals, ids, *cand
 
-        vals, ids, cvals, cids = jax.lax.fori_loop(0, n_iter, body, init)
-        return jnp.where(vals == -jnp.inf, -1, ids), jnp.where(cvals == -jnp.inf, -1, cids)
+        vals, ids, *cand = jax.lax.fori_loop(0, n_iter, body, init)
+        out = (jnp.where(vals == -jnp.inf, -1, ids),)
+        return out + ((jnp.where(cand[0] == -jnp.inf, -1, cand[1]),) if candidates else ())
 
     NT = tiles.req.shape[0]
-    ids, cids = jax.lax.map(one_tile, jnp.arange(NT), batch_size=min(TILE_GROUP, NT))
-    return _scatter_rows(ids, tiles, T, -1), (_scatter_rows(cids, tiles, T, -1) if candidates else None)
+    ids, *cids = jax.lax.map(one_tile, jnp.arange(NT), batch_size=min(TILE_GROUP, NT))
+    return _scatter_rows(ids, tiles, T, -1), (_scatter_rows(cids[0], tiles, T, -1) if candidates else None)
 
 
 def candidate_topk(layout: CacheLayout, q_Thc: jax.Array, w_Th: jax.Array, pos_T: jax.Array, tiles: Tiles,

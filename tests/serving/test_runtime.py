@@ -231,3 +231,14 @@ def test_row_logprobs_of_a_kept_request_match_the_full_forward(model, bounded):
     for p in range(44):
         assert abs(got[p][0] - logp[p, prompt[p + 1]]) <= 1e-4, p
         assert got[p][1][0] == logp[p].argmax(), p
+
+
+def test_model_without_candidate_blocks_runs(model):
+    """A V4.1 config with no candidate source (every index source scores all visible rows) builds and runs."""
+    m = dsv41.Model(model.config.replace(candidate_source_layer_id=None), model.params)
+    r = Runner(m, RuntimeConfig(**{**RC, "token_buckets": (32,)}, swa_bounded_replay=False), progress=False)
+    r.precompile([("seg1", 32), ("seg2", 32)])
+    d = Driver(r)
+    d.start("a", _prompt(15, 30))
+    got = _run(d, "a", [30])
+    assert _max_err(got, m.logits(np.array(d.reqs["a"].tokens))) <= TOL

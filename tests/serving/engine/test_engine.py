@@ -1,0 +1,105 @@
+"""The engine end to end on the tiny model (float32): greedy and seeded outputs are the same served alone,
+in a concurrent batch and after preemption; prompt logprobs equal the full forward's; aborts free blocks;
+the prefix cache serves repeated prefixes.
+
+The engine runs with SWA bounded replay off: then chunking and prefix hits are exact (the replay recomputes
+the full dependency halo), so any difference would be an engine bug. With bounded replay on, outputs depend
+on chunk boundaries and hits by design (spec §2-3; tests/serving/test_runtime.py checks that mode against
+its reference)."""
+
+import numpy as np
+import pytest
+
+import dsv41
+from serving.engine.engine import Engine, EngineArgs
+from serving.runtime.kv_cache import CacheLayout
+from serving.sampling_params import SamplingParams
+
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """12 KV blocks of 8 tokens: two 44-token requests fit, three preempt."""
+    model = dsv41.random_model("tiny", seed=3)
+    probe = CacheLayout(model.config, 1, 8, 4, "auto", "float32")
+    args = EngineArgs(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=96, block_size=8,
+                      swa_bounded_replay=False,
+                      kv_cache_memory=4 * probe.bytes_per_slot() + 12 * probe.bytes_per_block(),
+                      token_buckets=(8, 16, 32))
+    eng = Engine(model, None, args, progress=False)
+    assert eng.blocks.num_blocks == 12
+    return eng
+
+
+def _prompt(seed, n=20):
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 512, n)]
+
+
+def _serve(engine, prompts, params):
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    out = {f"r{i}": [] for i in range(len(prompts))}
+    lps = {f"r{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+            lps[o.request_id] += [x.logprob for x in o.new_logprobs or []]
+    return [out[f"r{i}"] for i in range(len(prompts))], [lps[f"r{i}"] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=24, logprobs=0, ignore_eos=True),
+                                    SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=24, logprobs=0,
+                                                   ignore_eos=True)], ids=["greedy", "seeded"])
+def test_same_output_alone_batched_and_preempted(engine, params):
+    prompts = [_prompt(s) for s in range(3)]
+    alone = [_serve(engine, [p], params) for p in prompts]
+    pair, _ = _serve(engine, prompts[:2], params)
+    before = engine.scheduler.num_preemptions
+    trio, trio_lp = _serve(engine, prompts, params)
+    assert engine.scheduler.num_preemptions > before, "three 44-token requests in 12 blocks must preempt"
+    for i in range(3):
+        toks, lps = alone[i][0][0], alone[i][1][0]
+        assert trio[i] == toks and (i == 2 or pair[i] == toks)
+        np.testing.assert_allclose(trio_lp[i], lps, atol=1e-4)
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_prompt_logprobs_match_the_full_forward(engine):
+    prompt = _prompt(7, 40)
+    engine.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2))
+    got = None
+    while engine.has_unfinished():
+        for o in engine.step():
+            got = o.prompt_logprobs if o.prompt_logprobs is not None else got
+    logits = np.asarray(engine.model.logits(np.array(prompt)), np.float64)
+    logp = logits - np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1, keepdims=True)) \
+        - logits.max(1, keepdims=True)
+    assert got[0] is None and len(got) == 40
+    for p in range(1, 40):
+        assert got[p].token_id == prompt[p] and abs(got[p].logprob - logp[p - 1, prompt[p]]) < 1e-4
+        assert [t for t, _ in got[p].top] == list(np.argsort(-logp[p - 1])[:2])
+
+
+def test_abort_frees_blocks_and_prefix_cache_hits(engine):
+    p = _prompt(9, 80)
+    engine.add_request("a", p, SamplingParams(temperature=0, max_tokens=10))
+    for _ in range(3):
+        engine.step()  # 32 + 32 + 16 prompt tokens: 10 full blocks registered
+    out = engine.abort("a")
+    assert out.finished and out.finish_reason == "abort"
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks and not engine.has_unfinished()
+    engine.add_request("b", p[:75] + [5, 6], SamplingParams(temperature=0, max_tokens=2))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    # 9 full blocks match; with replay off the exact halo (8 layers x 7 rows) is recomputed from position 16
+    assert outs[-1].num_cached_tokens == 72 and engine.scheduler.running == []
+
+
+def test_bad_requests_name_the_problem(engine):
+    for prompt, params, msg in (([], SamplingParams(), "empty"), ([600], SamplingParams(), "vocabulary"),
+                                ([5] * 96, SamplingParams(), "maximum context length"),
+                                ([5] * 10, SamplingParams(max_tokens=90), "maximum context length")):
+        with pytest.raises(ValueError, match=msg):
+            engine.add_request("bad", prompt, params)
+    assert not engine.has_unfinished()
