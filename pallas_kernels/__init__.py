@@ -6,7 +6,8 @@ Every op module exposes `reference` (plain jnp from the spec), `xla` (the fast p
 """
 
 from pallas_kernels.dispatch import IMPLS, resolve_impl
+from pallas_kernels.indexer import IndexMeta, index_topk
 from pallas_kernels.router import route
 from pallas_kernels.sparse_attention import AttnMeta, sparse_mla
 
-__all__ = ["IMPLS", "resolve_impl", "AttnMeta", "sparse_mla", "route"]
+__all__ = ["IMPLS", "resolve_impl", "AttnMeta", "sparse_mla", "route", "IndexMeta", "index_topk"]
