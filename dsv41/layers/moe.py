@@ -14,6 +14,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv41.layers.basic import Linear, matmul_precision
+from pallas_kernels import resolve_impl
+from pallas_kernels.router import route
 
 
 def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
@@ -24,11 +26,15 @@ def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
 
 
 class Router(nnx.Module):
-    """gate.weight [E, D]; gate.bias [E] (float32, selection only) or V4 hash layers' tid2eid [V, k]."""
+    """gate.weight [E, D]; gate.bias [E] (float32, selection only) or V4 hash layers' tid2eid [V, k].
+
+    Bias-routed layers go through `pallas_kernels.router.route` with `kernel_impl` (static; see
+    `set_kernel_impl`)."""
 
     def __init__(self, dim: int, n_experts: int, top_k: int, scaling: float, *, hash_vocab: int | None,
                  dtype: jnp.dtype):
         self.top_k, self.scaling = top_k, scaling
+        self.kernel_impl = "auto"
         self.weight = nnx.Param(jnp.zeros((n_experts, dim), dtype))
         if hash_vocab is None:
             self.bias = nnx.Param(jnp.zeros((n_experts,), jnp.float32))
@@ -40,16 +46,24 @@ class Router(nnx.Module):
     def __call__(self, x_TD: jax.Array, ids_T: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Expert ids [T, k] and combine weights [T, k] (float32)."""
         w = self.weight[...]
+        if self.tid2eid is None:
+            return route(x_TD, w, self.bias[...], top_k=self.top_k, scaling=self.scaling, impl=self.kernel_impl)
         logits = jnp.einsum("td,ed->te", x_TD.astype(w.dtype), w, preferred_element_type=jnp.float32,
                             precision=matmul_precision(w.dtype))
         scores = jnp.sqrt(jax.nn.softplus(logits))
-        if self.tid2eid is not None:
-            sel = jnp.take(self.tid2eid[...], ids_T, axis=0)
-        else:
-            _, sel = jax.lax.top_k(scores + self.bias[...], self.top_k)
+        sel = jnp.take(self.tid2eid[...], ids_T, axis=0)
         weights = jnp.take_along_axis(scores, sel, axis=-1)
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
         return sel, weights * self.scaling
+
+
+def set_kernel_impl(module: nnx.Module, impl: str) -> None:
+    """Route every bias-routed Router under `module` through `impl` ("auto" | "reference" | "xla" | "pallas");
+    takes effect for graphdefs split after the call."""
+    resolve_impl(impl)  # refuse unknown names here, not at trace time
+    for _, m in nnx.iter_modules(module):
+        if isinstance(m, Router):
+            m.kernel_impl = impl
 
 
 class Experts(nnx.Module):

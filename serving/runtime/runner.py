@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 import dsv41
+from dsv41.layers.moe import set_kernel_impl
 from serving.runtime import kv_cache, segments
 from serving.runtime.batch import Buckets, SeqChunk, build_step, token_ladder
 from serving.runtime.kv_cache import CacheLayout
@@ -64,6 +65,7 @@ class RuntimeConfig:
     max_top_k: int = 256  # sampler candidate set
     seed: int = 0
     token_buckets: tuple[int, ...] | None = None  # default: `token_ladder` up to max_num_batched_tokens
+    kernel_impl: str = "auto"  # fused-op implementation (pallas_kernels): auto = pallas on GPU, xla on CPU
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "tile", "max_top_k"):
@@ -108,6 +110,7 @@ class Runner:
         ladder = tuple(sorted(rc.token_buckets)) if rc.token_buckets else token_ladder(rc.max_num_batched_tokens,
                                                                                         c.sliding_window)
         self.buckets = Buckets(ladder, rc.max_num_seqs, rc.tile)
+        set_kernel_impl(model.module, rc.kernel_impl)
         graphdef, state = nnx.split(model.module)
         self._leaves, treedef = jax.tree.flatten(state)
         merge = functools.partial(_merge, graphdef, treedef)

@@ -1,0 +1,14 @@
+"""Fused ops of V4.1 serving as Pallas GPU kernels, with the spec reference and a CPU (XLA) path.
+
+Every op module exposes `reference` (plain jnp from the spec), `xla` (the fast path on CPU), `pallas`
+(the GPU kernel; interpreted off a GPU) and one dispatch function taking `impl="auto" | "reference" | "xla"
+| "pallas"` (auto: pallas on a GPU backend, xla elsewhere). The package imports nothing of the model.
+"""
+
+from pallas_kernels.dispatch import IMPLS, resolve_impl
+from pallas_kernels.indexer import IndexMeta, index_topk
+from pallas_kernels.mhc import mhc_post_pre
+from pallas_kernels.router import route
+from pallas_kernels.sparse_attention import AttnMeta, sparse_mla
+
+__all__ = ["IMPLS", "resolve_impl", "AttnMeta", "sparse_mla", "route", "IndexMeta", "index_topk", "mhc_post_pre"]

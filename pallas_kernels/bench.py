@@ -1,0 +1,198 @@
+"""Benchmark of the fused kernels: `python -m pallas_kernels.bench [--smoke] [--out FILE]`.
+
+On a GPU (< 5 min): every kernel at V4.1-Flash sizes is checked against a slower path on the device, timed
+(median of jitted runs), and reported as achieved GB/s and TFLOP/s against ceilings this script measures
+itself (a copy-bandwidth probe and a bf16 matmul probe), with the predicted time from NOTES.md's byte and
+FLOP counts and the speed-up over the XLA path of the same op (fused Pallas vs XLA). `--smoke` runs tiny
+sizes with the kernels interpreted, so the script stays exercised on CPU. Prints a table, writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import indexer, mhc, router
+from pallas_kernels import sparse_attention as sa
+
+H200_BYTES_PER_S, H200_FLOPS = 4.8e12, 990e12  # datasheet figures NOTES.md predicts with
+
+
+class Case(NamedTuple):
+    name: str
+    args: tuple
+    kernel: Callable  # the Pallas path
+    baseline: Callable  # the XLA path (what runs without the kernel)
+    check: Callable  # the oracle the kernel is compared with on the device
+    bytes: float
+    flops: float
+
+
+def _median_seconds(fn: Callable, args: tuple, reps: int) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def ceilings(smoke: bool, reps: int) -> dict:
+    """Measured copy bandwidth (read + write bytes / s) and bf16 matmul FLOP/s of this device."""
+    n = 1 << (16 if smoke else 28)
+    x = jnp.ones((n,), jnp.float32)
+    copy = jax.jit(lambda a: a + 1.0)
+    bw = 2 * 4 * n / _median_seconds(copy, (x,), reps)
+    m = 256 if smoke else 8192
+    a = jnp.ones((m, m), jnp.bfloat16)
+    mm = jax.jit(lambda p, q: jnp.dot(p, q, preferred_element_type=jnp.float32))
+    return {"copy_bytes_per_s": bw, "matmul_flops_per_s": 2 * m ** 3 / _median_seconds(mm, (a, a), reps)}
+
+
+def _attention_case(rng, *, B, ctx, prefill_rows, smoke):
+    H, d, W, K, rpb = (16, 64, 16, 32, 16) if smoke else (64, 512, 128, 512, 64)
+    T = prefill_rows or B
+    R = 1 if prefill_rows else B
+    nb_req = -(-ctx // rpb)
+    u8 = lambda *s: jnp.asarray(rng.integers(0, 256, s), jnp.uint8)
+    # e4m3 bytes below 0x7f (no NaN codes) with a sign bit; UE8M0 scale bytes near 1.0
+    ring = (u8(R, W, d + d // 32) & 0x7E | u8(R, W, d + d // 32) & 0x80).at[..., d:].set(120)
+    rows = u8(R * nb_req, rpb, d // 2 + d // 16).at[..., d // 2:].set(0x30)
+    start = ctx - (T if prefill_rows else 1)
+    pos = start + (jnp.arange(T) if prefill_rows else jnp.zeros(T, jnp.int32))
+    req = jnp.zeros(T, jnp.int32) if prefill_rows else jnp.arange(T, dtype=jnp.int32)
+    meta = sa.AttnMeta(pos.astype(jnp.int32), req, jnp.arange(R, dtype=jnp.int32), jnp.full((R,), start, jnp.int32),
+                       jnp.zeros(R, jnp.int32), jnp.arange(R * nb_req, dtype=jnp.int32).reshape(R, nb_req))
+    topk = jnp.asarray(rng.integers(0, min(ctx, nb_req * rpb), (T, K)), jnp.int32)
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+    theta = jnp.asarray(rng.uniform(0, 6, (T, 32 if not smoke else 8)), jnp.float32)
+    args = (f(T, H, d), jnp.cos(theta), jnp.sin(theta), jnp.zeros(H, jnp.float32), f(T, d), ring, meta, rows, topk)
+    decode = not prefill_rows
+    kernel = lambda *a: sa.sparse_mla(*a, out_fp8=False, decode=decode, impl="pallas")
+    by = T * (W * (d + d // 32) + K * (d // 2 + d // 16) + H * d * 2 + H * d * 4)
+    name = f"sparse_mla prefill rows={T} ctx={ctx}" if prefill_rows else f"sparse_mla decode B={B} ctx={ctx}"
+    check = sa.xla if prefill_rows else sa.reference
+    return Case(name, args, kernel, sa.xla, check, by, 4.0 * T * H * d * (W + K))
+
+
+def _router_case(rng, *, T, smoke):
+    E, D = (48, 128) if smoke else (384, 5120)
+    args = (jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16),
+            jnp.asarray(rng.standard_normal((E, D)) / np.sqrt(D), jnp.bfloat16), jnp.zeros(E, jnp.float32))
+    kw = dict(top_k=6, scaling=1.5)
+    return Case(f"router T={T}", args, lambda *a: router.pallas(*a, **kw), lambda *a: router.xla(*a, **kw),
+                lambda *a: router.reference(*a, **kw), 2.0 * (E * D + T * D), 2.0 * T * E * D)
+
+
+def _indexer_case(rng, *, B, ctx, candidates, smoke):
+    h, c, rpb, k, n_cand, cbs = (4, 32, 16, 16, 8, 8) if smoke else (32, 128, 256, 512, 2048, 8)
+    nb_req = -(-ctx // rpb)
+    keys = jnp.asarray(rng.integers(0, 256, (B * nb_req, rpb, c // 2 + c // 32)), jnp.uint8).at[..., c // 2:].set(127)
+    meta = indexer.IndexMeta(jnp.full((B,), ctx, jnp.int32), jnp.arange(B, dtype=jnp.int32),
+                             jnp.arange(B * nb_req, dtype=jnp.int32).reshape(B, nb_req))
+    q = jnp.asarray(rng.standard_normal((B, h, c)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((B, h)), jnp.float32)
+    n_blocks = ctx // cbs
+    if candidates:
+        cand = jnp.asarray(np.stack([rng.permutation(n_blocks)[:n_cand] if n_blocks >= n_cand else
+                                     np.pad(np.arange(n_blocks), (0, n_cand - n_blocks), constant_values=-1)
+                                     for _ in range(B)]), jnp.int32)
+        rows = min(ctx, n_cand * cbs)
+        kw = dict(k=k, candidates_TK=cand)
+    else:
+        rows, kw = ctx, dict(k=k)
+    mode = "candidates" if candidates else "dense"
+    return Case(f"indexer {mode} B={B} ctx={ctx}", (q, w, keys, meta), lambda *a: indexer.pallas(*a, **kw),
+                lambda *a: indexer.xla(*a, **kw), lambda *a: indexer.reference(*a, **kw),
+                B * rows * (c // 2 + c // 32), 2.0 * B * rows * h * c)
+
+
+def _mhc_case(rng, *, T, smoke):
+    n, D = (4, 128) if smoke else (4, 5120)
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+    args = (f(T, n, D).astype(jnp.bfloat16), f(T, D).astype(jnp.bfloat16), jax.nn.sigmoid(f(T, n)) * 2,
+            jax.nn.softmax(f(T, n, n), -1), jax.nn.sigmoid(f(T, n)), jnp.ones(D, jnp.bfloat16))
+    return Case(f"mhc_post_pre T={T}", args, lambda *a: mhc.pallas(*a, eps=1e-20), lambda *a: mhc.xla(*a, eps=1e-20),
+                lambda *a: mhc.reference(*a, eps=1e-20), 2.0 * T * (2 * n * D + 2 * D), 4.0 * T * n * n * D)
+
+
+def cases(smoke: bool, rng) -> list[Case]:
+    if smoke:
+        return [_attention_case(rng, B=2, ctx=64, prefill_rows=0, smoke=True),
+                _attention_case(rng, B=1, ctx=64, prefill_rows=4, smoke=True),
+                _router_case(rng, T=5, smoke=True),
+                _indexer_case(rng, B=2, ctx=64, candidates=False, smoke=True),
+                _indexer_case(rng, B=2, ctx=256, candidates=True, smoke=True),
+                _mhc_case(rng, T=5, smoke=True)]
+    out = [_attention_case(rng, B=B, ctx=ctx, prefill_rows=0, smoke=False) for ctx in (8192, 131072) for B in (1, 8, 64)]
+    out.append(_attention_case(rng, B=1, ctx=8192, prefill_rows=4096, smoke=False))
+    out += [_router_case(rng, T=T, smoke=False) for T in (1, 8, 64, 4096)]
+    out += [_indexer_case(rng, B=B, ctx=ctx, candidates=True, smoke=False) for ctx in (8192, 131072) for B in (1, 8, 64)]
+    out += [_indexer_case(rng, B=B, ctx=8192, candidates=False, smoke=False) for B in (1, 64)]
+    out += [_mhc_case(rng, T=T, smoke=False) for T in (1, 64, 4096)]
+    return out
+
+
+def _max_diff(a, b) -> float:
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return max(float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)), initial=0.0))
+               for x, y in zip(la, lb))
+
+
+def run(smoke: bool, reps: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    ceil = ceilings(smoke, reps)
+    rows = []
+    for case in cases(smoke, rng):
+        kern, base = jax.jit(case.kernel), jax.jit(case.baseline)
+        diff = _max_diff(kern(*case.args), jax.jit(case.check)(*case.args))
+        t_k = _median_seconds(kern, case.args, reps)
+        t_b = _median_seconds(base, case.args, reps)
+        predicted = max(case.bytes / H200_BYTES_PER_S, case.flops / H200_FLOPS)
+        rows.append({"kernel": case.name, "max_abs_diff_vs_check": diff, "pallas_s": t_k, "xla_s": t_b,
+                     "xla_over_pallas": t_b / t_k, "bytes": case.bytes, "flops": case.flops,
+                     "gb_per_s": case.bytes / t_k / 1e9, "tflop_per_s": case.flops / t_k / 1e12,
+                     "fraction_of_measured_bw": case.bytes / t_k / ceil["copy_bytes_per_s"],
+                     "predicted_h200_s": predicted})
+    return {"device": str(jax.devices()[0]), "backend": jax.default_backend(), "smoke": smoke, "seed": seed,
+            "ceilings": ceil, "results": rows}
+
+
+def print_table(report: dict) -> None:
+    c = report["ceilings"]
+    print(f"device {report['device']}  copy {c['copy_bytes_per_s'] / 1e9:.0f} GB/s  "
+          f"matmul {c['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s")
+    print(f"{'kernel':42s} {'pallas us':>10s} {'xla us':>10s} {'xla/pal':>8s} {'GB/s':>8s} {'%bw':>5s} "
+          f"{'TFLOP/s':>8s} {'pred us':>8s} {'maxdiff':>9s}")
+    for r in report["results"]:
+        print(f"{r['kernel']:42s} {r['pallas_s'] * 1e6:10.1f} {r['xla_s'] * 1e6:10.1f} {r['xla_over_pallas']:8.2f} "
+              f"{r['gb_per_s']:8.1f} {100 * r['fraction_of_measured_bw']:5.1f} {r['tflop_per_s']:8.2f} "
+              f"{r['predicted_h200_s'] * 1e6:8.1f} {r['max_abs_diff_vs_check']:9.2e}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, kernels interpreted (CPU)")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="pallas_kernels_bench.json")
+    a = p.parse_args(argv)
+    if not a.smoke and jax.default_backend() != "gpu":
+        raise SystemExit("the full benchmark needs a GPU backend; use --smoke on CPU")
+    report = run(a.smoke, a.reps, a.seed)
+    print_table(report)
+    with open(a.out, "w") as f:
+        json.dump(report, f, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    main()

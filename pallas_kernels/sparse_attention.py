@@ -1,0 +1,336 @@
+"""Sparse MLA attention of V4.1 (spec §2.5) fused: query RoPE, attention over each query's SWA window and
+its top-k global rows (gathered by index from the paged cache, records decoded in the kernel, -1 skipped),
+the per-head sink, inverse RoPE on the output and an optional FP8 cast for the grouped output projection.
+
+All heads share one K=V latent per row, so a program holds a block of heads as the M side of two small
+GEMMs (scores q k^T, output p v) and reads every key row once for those heads.
+
+Inputs, for T query rows of R requests (the rows of one request contiguous, consecutive positions):
+  q_THd       un-rotated queries;  cos_Tr, sin_Tr [T, d_r/2]: RoPE angles at each query's position
+  sink_H      per-head sink logit (joins the softmax denominator only)
+  kv_Td       this call's own SWA rows (RoPE'd, float), row t at position pos_T[t]
+  ring_SWx    per-slot SWA ring (W a power of two): slot entry k holds the latest position < start that
+              is congruent to k mod W; FP8 records (uint8 [.., d + d/32]) or float rows [.., d]
+  meta        AttnMeta below
+  rows_NPx    paged global rows [num_blocks, rows_per_block, .]: NVFP4 records (uint8) or float rows
+  topk_TK     global row ids per query (-1 = none)
+Visible SWA positions of a query at p: max(p - W + 1, floor, 0) .. p; those >= start come from kv_Td.
+Output: float32 [T, H, d], or with out_fp8 (e4m3 [T, H*d], float32 scales [T, H*d/128]) - one UE8M0
+scale per 128 channels, the activation layout a block-scaled GEMM over [T, o_groups, H*d/o_groups] reads.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels import records
+from pallas_kernels.common import FP8_OUT_BLOCK, fp8_block_cast, full_width_angles, rotate
+from pallas_kernels.dispatch import interpret_default, resolve_impl
+
+
+class AttnMeta(NamedTuple):
+    pos_T: jax.Array  # [T] int32 query positions
+    req_T: jax.Array  # [T] int32 request of each query row
+    slot_R: jax.Array  # [R] SWA ring slot
+    start_R: jax.Array  # [R] first position of the request in this call (the ring holds earlier ones)
+    floor_R: jax.Array  # [R] lowest visible SWA position (replay floor; 0 when none)
+    block_table_RM: jax.Array  # [R, max_blocks] global-row blocks
+
+
+def _check(q, cos, kv, ring, meta, rows, topk):
+    T, H, d = q.shape
+    W = ring.shape[1]
+    if W & (W - 1):
+        raise ValueError(f"ring_SWx: the SWA window {W} must be a power of two")
+    if cos.shape != (T, cos.shape[1]) or 2 * cos.shape[1] > d:
+        raise ValueError(f"cos_Tr: expected [{T}, d_r/2] with d_r <= {d}, got {cos.shape}")
+    if kv.shape != (T, d):
+        raise ValueError(f"kv_Td: expected {(T, d)}, got {kv.shape}")
+    if ring.dtype == jnp.uint8:
+        records.check_record("fp8", d, ring.shape[2], "ring_SWx")
+    elif ring.shape[2] != d:
+        raise ValueError(f"ring_SWx: float rows must have {d} channels, got {ring.shape[2]}")
+    if meta.pos_T.shape != (T,) or meta.req_T.shape != (T,):
+        raise ValueError(f"meta.pos_T / meta.req_T must be [{T}]")
+    if (rows is None) != (topk is None):
+        raise ValueError("rows_NPx and topk_TK come together")
+    if rows is not None:
+        if topk.shape[0] != T:
+            raise ValueError(f"topk_TK: expected {T} rows, got {topk.shape}")
+        if rows.dtype == jnp.uint8:
+            records.check_record("nvfp4", d, rows.shape[2], "rows_NPx")
+        elif rows.shape[2] != d:
+            raise ValueError(f"rows_NPx: float rows must have {d} channels, got {rows.shape[2]}")
+
+
+# =============================================================================== reference
+def _rope_ref(x, cos, sin, inverse=False):
+    """Spec §2.4: rotate adjacent pairs of the last 2 * cos.shape[-1] channels by theta (or -theta)."""
+    rd = 2 * cos.shape[-1]
+    nope, rot = x[..., :-rd], x[..., -rd:]
+    a, b = rot[..., 0::2], rot[..., 1::2]
+    sin = -sin if inverse else sin
+    out = jnp.stack([a * cos - b * sin, b * cos + a * sin], axis=-1).reshape(rot.shape)
+    return jnp.concatenate([nope, out], axis=-1)
+
+
+def _fp8_cast_ref(o_TC, block):
+    z = o_TC.reshape(o_TC.shape[0], -1, block)
+    s = 2.0 ** jnp.ceil(jnp.log2(jnp.maximum(jnp.max(jnp.abs(z), axis=-1), 1e-4) / 448.0))
+    q = jnp.clip(z / s[..., None], -448.0, 448.0).astype(jnp.float8_e4m3fn)
+    return q.reshape(o_TC.shape), s
+
+
+def _swa_keys(kv, ring, meta, d, decode_fn):
+    """SWA keys [T, W, d] (float32) and their visibility [T, W] for every query row."""
+    T, W = kv.shape[0], ring.shape[1]
+    o = jnp.arange(W)
+    p, r = meta.pos_T, meta.req_T
+    kp = p[:, None] - o[None]
+    in_chunk = kp >= meta.start_R[r][:, None]
+    chunk = kv.astype(jnp.float32)[jnp.clip(jnp.arange(T)[:, None] - o[None], 0, T - 1)]
+    ring_rows = decode_fn("fp8", ring[meta.slot_R[r][:, None], jnp.mod(kp, W)], d)
+    keys = jnp.where(in_chunk[..., None], chunk, ring_rows)
+    return keys, kp >= jnp.maximum(meta.floor_R[r], 0)[:, None]
+
+
+def _global_keys(rows, topk, meta, d, decode_fn):
+    rpb, M = rows.shape[1], meta.block_table_RM.shape[1]
+    j = jnp.maximum(topk, 0)
+    blk = meta.block_table_RM[meta.req_T[:, None], jnp.minimum(j // rpb, M - 1)]
+    return decode_fn("nvfp4", rows[blk, j % rpb], d), topk >= 0
+
+
+def reference(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_NPx=None, topk_TK=None, *,
+              out_fp8: bool = False):
+    """The spec, materialising every query's key set [T, W + K, d] and one softmax with a sink column."""
+    _check(q_THd, cos_Tr, kv_Td, ring_SWx, meta, rows_NPx, topk_TK)
+    T, H, d = q_THd.shape
+    hi = jax.lax.Precision.HIGHEST
+    q = _rope_ref(q_THd.astype(jnp.float32), cos_Tr[:, None], sin_Tr[:, None])
+    keys, ok = _swa_keys(kv_Td, ring_SWx, meta, d, records.reference_decode)
+    if rows_NPx is not None:
+        g, gok = _global_keys(rows_NPx, topk_TK, meta, d, records.reference_decode)
+        keys, ok = jnp.concatenate([keys, g], axis=1), jnp.concatenate([ok, gok], axis=1)
+    logits = jnp.einsum("thd,tkd->thk", q, keys, precision=hi) * d ** -0.5
+    logits = jnp.where(ok[:, None], logits, -jnp.inf)
+    sink = jnp.broadcast_to(sink_H.astype(jnp.float32)[None, :, None], (T, H, 1))
+    probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
+    out = _rope_ref(jnp.einsum("thk,tkd->thd", probs, keys, precision=hi), cos_Tr[:, None], sin_Tr[:, None],
+                    inverse=True)
+    return _fp8_cast_ref(out.reshape(T, H * d), min(FP8_OUT_BLOCK, d)) if out_fp8 else out
+
+
+# ===================================================================================== xla
+def _finish(out_THd, cos, sin, out_fp8):
+    """Inverse RoPE (full-width angles [T, d]) and the optional FP8 cast."""
+    T, H, d = out_THd.shape
+    out = rotate(out_THd, cos[:, None], sin[:, None], inverse=True)
+    if not out_fp8:
+        return out
+    q8, s = fp8_block_cast(out, min(FP8_OUT_BLOCK, d))
+    return q8.reshape(T, H * d), s.reshape(T, -1)
+
+
+def xla(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_NPx=None, topk_TK=None, *,
+        out_fp8: bool = False, tile: int = 64):
+    """The CPU path: queries in tiles of `tile` under lax.map so the gathered keys stay bounded."""
+    _check(q_THd, cos_Tr, kv_Td, ring_SWx, meta, rows_NPx, topk_TK)
+    T, H, d = q_THd.shape
+    hi = jax.lax.Precision.HIGHEST
+    cos, sin = full_width_angles(cos_Tr, sin_Tr, d)
+    q = rotate(q_THd.astype(jnp.float32), cos[:, None], sin[:, None]) * d ** -0.5
+
+    def one_tile(rows_u):
+        m = meta._replace(pos_T=meta.pos_T[rows_u], req_T=meta.req_T[rows_u])
+        keys, ok = _swa_keys_at(kv_Td, ring_SWx, m, rows_u, d)
+        if rows_NPx is not None:
+            g, gok = _global_keys(rows_NPx, topk_TK[rows_u], m, d, records.decode_rows)
+            keys, ok = jnp.concatenate([keys, g], axis=1), jnp.concatenate([ok, gok], axis=1)
+        s = jnp.where(ok[:, None], jnp.einsum("uhd,ukd->uhk", q[rows_u], keys, precision=hi), -jnp.inf)
+        mx = jnp.maximum(jnp.max(s, axis=-1), sink_H[None].astype(jnp.float32))
+        p = jnp.exp(s - mx[..., None])
+        denom = jnp.exp(sink_H[None] - mx) + jnp.sum(p, axis=-1)
+        return jnp.einsum("uhk,ukd->uhd", p, keys, precision=hi) / denom[..., None]
+
+    n = -(-T // tile)
+    idx = jnp.minimum(jnp.arange(n * tile).reshape(n, tile), T - 1)
+    out = jax.lax.map(one_tile, idx).reshape(n * tile, H, d)[:T]
+    return _finish(out, cos, sin, out_fp8)
+
+
+def _swa_keys_at(kv, ring, meta, rows_u, d):
+    """_swa_keys for the query rows `rows_u` of the flat layout (chunk rows found relative to them)."""
+    T, W = kv.shape[0], ring.shape[1]
+    o = jnp.arange(W)
+    kp = meta.pos_T[:, None] - o[None]
+    r = meta.req_T
+    chunk = kv.astype(jnp.float32)[jnp.clip(rows_u[:, None] - o[None], 0, T - 1)]
+    ring_rows = records.decode_rows("fp8", ring[meta.slot_R[r][:, None], kp & (W - 1)], d)
+    keys = jnp.where((kp >= meta.start_R[r][:, None])[..., None], chunk, ring_rows)
+    return keys, kp >= jnp.maximum(meta.floor_R[r], 0)[:, None]
+
+
+# ================================================================================== pallas
+def _whole(shape):
+    """BlockSpec of a whole array (Triton: a pointer; only what the kernel indexes is loaded)."""
+    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+
+def _attention_kernel(pos_ref, req_ref, slot_ref, start_ref, floor_ref, bt_ref, q_ref, cos_ref, sin_ref, sink_ref,
+                      kv_ref, ring_ref, *refs, d, W, block_k, n_topk_chunks, splits, has_rows, out_fp8):
+    if has_rows:
+        rows_ref, topk_ref, *out_refs = refs
+    else:
+        out_refs = list(refs)
+    t, s = pl.program_id(0), pl.program_id(2)
+    p, r = pos_ref[t], req_ref[t]
+    slot, start, lo = slot_ref[r], start_ref[r], jnp.maximum(floor_ref[r], 0)
+    cos, sin = cos_ref[...], sin_ref[...]
+    cdt = q_ref.dtype if q_ref.dtype == jnp.bfloat16 else jnp.float32
+    prec = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else None
+    q = (rotate(q_ref[...].astype(jnp.float32), cos, sin) * d ** -0.5).astype(cdt)  # [bh, d]
+
+    def update(carry, keys, ok):
+        m, l, acc = carry
+        k = keys.astype(cdt)
+        sc = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
+        sc = jnp.where(ok[None, :], sc, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+        alpha = jnp.exp(m - m_new)
+        pr = jnp.exp(sc - m_new[:, None])
+        pv = jax.lax.dot_general(pr.astype(cdt), k, (((1,), (0,)), ((), ())), precision=prec,
+                                 preferred_element_type=jnp.float32)
+        return m_new, l * alpha + jnp.sum(pr, axis=1), acc * alpha[:, None] + pv
+
+    def swa_chunk(c, carry):
+        o = c * block_k + jnp.arange(block_k)
+        kp = p - o
+        chunk = kv_ref[jnp.maximum(t - o, 0), :].astype(jnp.float32)
+        at = kp & (W - 1)
+        if ring_ref.dtype == jnp.uint8:
+            nb = d // records.block_size("fp8", d)
+            ring = records.decode("fp8", ring_ref[slot, at, pl.ds(0, d)], ring_ref[slot, at, pl.ds(d, nb)])
+        else:
+            ring = ring_ref[slot, at, :].astype(jnp.float32)
+        keys = jnp.where((kp >= start)[:, None], chunk, ring)
+        return update(carry, keys, kp >= lo)
+
+    def topk_chunk(i, carry):
+        idx = topk_ref[pl.ds((s * (n_topk_chunks // splits) + i) * block_k, block_k)]
+        j = jnp.maximum(idx, 0)
+        rpb = rows_ref.shape[1]
+        blk = bt_ref[r, jnp.minimum(j // rpb, bt_ref.shape[1] - 1)]
+        at = j % rpb
+        if rows_ref.dtype == jnp.uint8:
+            nb = d // records.block_size("nvfp4", d)
+            keys = records.decode("nvfp4", rows_ref[blk, at, pl.ds(0, d // 2)], rows_ref[blk, at, pl.ds(d // 2, nb)])
+        else:
+            keys = rows_ref[blk, at, :].astype(jnp.float32)
+        return update(carry, keys, idx >= 0)
+
+    bh = q.shape[0]
+    sink = sink_ref[...].astype(jnp.float32)
+    first = s == 0
+    one, zero = jnp.ones((bh,), jnp.float32), jnp.zeros((bh,), jnp.float32)
+    carry = (jnp.where(first, sink, zero - 1e30), jnp.where(first, one, zero), jnp.zeros((bh, d), jnp.float32))
+    swa = lambda c: jax.lax.fori_loop(0, W // block_k, swa_chunk, c)
+    carry = swa(carry) if splits == 1 else jax.lax.cond(first, swa, lambda c: c, carry)
+    if has_rows:
+        carry = jax.lax.fori_loop(0, n_topk_chunks // splits, topk_chunk, carry)
+    m, l, acc = carry
+    if splits > 1:  # partial softmax state; combined outside
+        m_ref, l_ref, acc_ref = out_refs
+        m_ref[...], l_ref[...], acc_ref[...] = m, l, acc
+        return
+    out = rotate(acc / l[:, None], cos, sin, inverse=True)
+    if out_fp8:
+        o8_ref, scale_ref = out_refs
+        o8_ref[...], scale_ref[...] = fp8_block_cast(out, min(FP8_OUT_BLOCK, d))
+    else:
+        out_refs[0][...] = out
+
+
+def pallas(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_NPx=None, topk_TK=None, *,
+           out_fp8: bool = False, splits: int = 1, block_h: int | None = None, block_k: int = 32,
+           num_warps: int = 8, num_stages: int = 2, interpret: bool | None = None):
+    """Pallas Triton kernel, one program per (query row, head block, key split).
+
+    splits > 1 is the decode (flash-decoding) form: the top-k chunks are divided over `splits` programs
+    whose partial softmax states are merged in XLA; SWA rows go to split 0. block_h = H reads each key row
+    once for all heads."""
+    _check(q_THd, cos_Tr, kv_Td, ring_SWx, meta, rows_NPx, topk_TK)
+    T, H, d = q_THd.shape
+    W = ring_SWx.shape[1]
+    block_h = block_h or H
+    block_k = min(block_k, W)
+    if H % block_h or W % block_k:
+        raise ValueError(f"block_h {block_h} must divide H {H} and block_k {block_k} the window {W}")
+    interpret = interpret_default() if interpret is None else interpret
+    cos, sin = full_width_angles(cos_Tr, sin_Tr, d)
+    has_rows = rows_NPx is not None
+    n_chunks = 0
+    args = [meta.pos_T, meta.req_T, meta.slot_R, meta.start_R, meta.floor_R, meta.block_table_RM]
+    specs = [_whole(a.shape) for a in args]
+    args += [q_THd, cos, sin, sink_H, kv_Td, ring_SWx]
+    specs += [pl.BlockSpec((None, block_h, d), lambda t, h, s: (t, h, 0)),
+              pl.BlockSpec((None, d), lambda t, h, s: (t, 0)), pl.BlockSpec((None, d), lambda t, h, s: (t, 0)),
+              pl.BlockSpec((block_h,), lambda t, h, s: (h,)), _whole(kv_Td.shape), _whole(ring_SWx.shape)]
+    if has_rows:
+        per = block_k * splits
+        K = -(-topk_TK.shape[1] // per) * per
+        topk = jnp.pad(topk_TK.astype(jnp.int32), ((0, 0), (0, K - topk_TK.shape[1])), constant_values=-1)
+        n_chunks = K // block_k
+        args += [rows_NPx, topk]
+        specs += [_whole(rows_NPx.shape), pl.BlockSpec((None, K), lambda t, h, s: (t, 0))]
+    elif splits != 1:
+        raise ValueError("splits > 1 needs top-k rows to split")
+    if splits > 1:
+        out_shape = [jax.ShapeDtypeStruct((T, splits, H), jnp.float32)] * 2 + [
+            jax.ShapeDtypeStruct((T, splits, H, d), jnp.float32)]
+        out_specs = [pl.BlockSpec((None, None, block_h), lambda t, h, s: (t, s, h))] * 2 + [
+            pl.BlockSpec((None, None, block_h, d), lambda t, h, s: (t, s, h, 0))]
+    elif out_fp8:
+        fb = min(FP8_OUT_BLOCK, d)
+        out_shape = [jax.ShapeDtypeStruct((T, H, d), jnp.float8_e4m3fn),
+                     jax.ShapeDtypeStruct((T, H, d // fb), jnp.float32)]
+        out_specs = [pl.BlockSpec((None, block_h, d), lambda t, h, s: (t, h, 0)),
+                     pl.BlockSpec((None, block_h, d // fb), lambda t, h, s: (t, h, 0))]
+    else:
+        out_shape = [jax.ShapeDtypeStruct((T, H, d), jnp.float32)]
+        out_specs = [pl.BlockSpec((None, block_h, d), lambda t, h, s: (t, h, 0))]
+    kernel = functools.partial(_attention_kernel, d=d, W=W, block_k=block_k, n_topk_chunks=n_chunks, splits=splits,
+                               has_rows=has_rows, out_fp8=out_fp8)
+    outs = pl.pallas_call(kernel, out_shape=out_shape, grid=(T, H // block_h, splits), in_specs=specs,
+                          out_specs=out_specs, interpret=interpret, name="sparse_mla",
+                          compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages))(*args)
+    if splits == 1:
+        return (outs[0].reshape(T, H * d), outs[1].reshape(T, -1)) if out_fp8 else outs[0]
+    m, l, acc = outs  # merge the splits' softmax states
+    mx = jnp.max(m, axis=1, keepdims=True)
+    w = jnp.exp(m - mx)
+    out = jnp.sum(w[..., None] * acc, axis=1) / jnp.sum(w * l, axis=1)[..., None]
+    return _finish(out, cos, sin, out_fp8)
+
+
+# ================================================================================ dispatch
+def sparse_mla(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_NPx=None, topk_TK=None, *,
+               out_fp8: bool = False, decode: bool = False, impl: str = "auto"):
+    """Fused sparse MLA attention (module docstring). `decode` picks the split-key Pallas form for one
+    query row per request; prefill splits heads instead."""
+    impl = resolve_impl(impl)
+    args = (q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta, rows_NPx, topk_TK)
+    if impl == "reference":
+        return reference(*args, out_fp8=out_fp8)
+    if impl == "xla":
+        return xla(*args, out_fp8=out_fp8)
+    H = q_THd.shape[1]
+    if decode and topk_TK is not None:
+        return pallas(*args, out_fp8=out_fp8, splits=max(1, min(4, topk_TK.shape[1] // 32)), block_h=H)
+    return pallas(*args, out_fp8=out_fp8, block_h=min(H, 16))

@@ -1,0 +1,124 @@
+"""Sparse MLA attention: Pallas (interpret) and XLA paths against the spec reference, the reference against
+the model's attention, and the Triton kernel lowered for CUDA at V4.1-Flash sizes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv41 import quant
+from pallas_kernels import lowering
+from pallas_kernels import sparse_attention as sa
+from tests.pallas_kernels.util import assert_close, fresh_rng
+
+H, D, DR, W = 16, 64, 16, 16
+
+
+def make_case(rng, *, quantized: bool, K: int = 40, rpb: int = 8, n_blocks: int = 12):
+    """Three requests: one starting at position 0 (window clipped at 0), one with a replay floor above its
+    window start, one deep into its context (ring fully used); a query row with no top-k rows at all."""
+    lens, starts, floors = [5, 4, 3], [0, 37, 200], [0, 30, 0]
+    pos = np.concatenate([s + np.arange(n) for s, n in zip(starts, lens)])
+    req = np.repeat(np.arange(3), lens)
+    T = len(pos)
+    f32 = lambda *s: rng.standard_normal(s).astype(np.float32)
+    kv = f32(T, D)
+    ring_rows = f32(4, W, D)
+    rows = f32(n_blocks, rpb, D)
+    ring = quant.encode_fp8_record(jnp.asarray(ring_rows)) if quantized else jnp.asarray(ring_rows)
+    cache = quant.encode_nvfp4_record(jnp.asarray(rows)) if quantized else jnp.asarray(rows)
+    bt = np.stack([rng.permutation(n_blocks)[:6] for _ in range(3)]).astype(np.int32)
+    topk = np.full((T, K), -1, np.int32)
+    for t in range(T):
+        n = int(rng.integers(0, K + 1)) if t != 1 else 0
+        topk[t, :n] = rng.choice(6 * rpb, n, replace=False)
+    meta = sa.AttnMeta(jnp.asarray(pos, jnp.int32), jnp.asarray(req, jnp.int32), jnp.asarray([2, 0, 3], jnp.int32),
+                       jnp.asarray(starts, jnp.int32), jnp.asarray(floors, jnp.int32), jnp.asarray(bt))
+    theta = pos[:, None] * (10000.0 ** -(np.arange(DR // 2) / (DR // 2)))
+    args = (jnp.asarray(f32(T, H, D)), jnp.asarray(np.cos(theta), jnp.float32), jnp.asarray(np.sin(theta), jnp.float32),
+            jnp.asarray(f32(H)), jnp.asarray(kv), ring, meta, cache, jnp.asarray(topk))
+    return args
+
+
+@pytest.mark.parametrize("quantized", [True, False])
+def test_xla_equals_reference(quantized):
+    rng, msg = fresh_rng()
+    args = make_case(rng, quantized=quantized)
+    assert_close(sa.xla(*args, tile=4), sa.reference(*args), msg)
+    assert_close(sa.xla(*args[:7]), sa.reference(*args[:7]), msg + " (SWA only)")
+
+
+@pytest.mark.parametrize("form", ["prefill", "decode_splits"])
+def test_pallas_interpret_matches_reference(form):
+    rng, msg = fresh_rng()
+    args = make_case(rng, quantized=True)
+    want = sa.reference(*args)
+    if form == "prefill":
+        got = sa.pallas(*args, block_h=8, block_k=16, interpret=True)
+    else:
+        got = sa.pallas(*args, splits=3, block_k=16, interpret=True)
+    assert_close(got, want, f"{msg} {form}", rtol=2e-5, atol=2e-5)
+
+
+def test_pallas_interpret_swa_only_float_ring():
+    rng, msg = fresh_rng()
+    args = make_case(rng, quantized=False)
+    assert_close(sa.pallas(*args[:7], block_k=8, interpret=True), sa.reference(*args[:7]), msg, rtol=2e-5, atol=2e-5)
+
+
+def test_pallas_fp8_output_matches_reference_cast():
+    rng, msg = fresh_rng()
+    args = make_case(rng, quantized=True)
+    o8, s = sa.pallas(*args, out_fp8=True, block_k=16, interpret=True)
+    r8, rs = sa.reference(*args, out_fp8=True)
+    T = args[0].shape[0]
+    assert o8.dtype == jnp.float8_e4m3fn and o8.shape == (T, H * D) and s.shape == (T, H * D // D)
+    deq = np.asarray(o8, np.float32).reshape(T, -1, D) * np.asarray(s)[..., None]
+    ref = np.asarray(sa.reference(*args)).reshape(T, -1, D)
+    # e4m3 keeps 3 mantissa bits: half an ulp relative, plus the smallest subnormal step of the scale
+    np.testing.assert_array_less(np.abs(deq - ref), np.abs(ref) / 16 + np.asarray(s)[..., None] * 2.0 ** -9 + 1e-6,
+                                 err_msg=msg)
+    same = np.mean(np.asarray(o8, np.float32) == np.asarray(r8, np.float32))
+    assert same > 0.99, f"{msg}: only {same:.3f} of fp8 codes equal the reference cast"
+    assert_close(s, rs, msg)
+
+
+def test_reference_agrees_with_model_attention():
+    """Spec reference == dsv41 sparse_attention (+ inverse RoPE) for one request from position 0."""
+    from dsv41.layers.attention import sparse_attention
+    from dsv41.layers.indexer import topk_row_mask
+    from dsv41.layers.rope import apply_rope
+
+    rng, msg = fresh_rng()
+    T, rpb, nb = 11, 4, 5
+    f32 = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+    q, kv, rows, sink = f32(T, H, D), f32(T, D), f32(nb, rpb, D), f32(H)
+    pos = jnp.arange(T, dtype=jnp.int32)
+    theta = pos[:, None] * (10000.0 ** -(jnp.arange(DR // 2) / (DR // 2)))
+    cos, sin = jnp.cos(theta), jnp.sin(theta)
+    topk = jnp.asarray(np.stack([np.concatenate([rng.choice(nb * rpb, 6, replace=False), [-1, -1]]) for _ in range(T)]),
+                       jnp.int32)
+    meta = sa.AttnMeta(pos, jnp.zeros(T, jnp.int32), jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32),
+                       jnp.zeros(1, jnp.int32), jnp.arange(nb, dtype=jnp.int32)[None])
+    got = sa.reference(q, cos, sin, sink, kv, jnp.zeros((1, W, D)), meta, rows, topk)
+    swa_mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - W)
+    o = sparse_attention(apply_rope(q, cos[:, None], sin[:, None]), kv, swa_mask, sink, rows.reshape(-1, D),
+                         topk_row_mask(topk, nb * rpb))
+    assert_close(got, apply_rope(o, cos[:, None], sin[:, None], inverse=True), msg)
+
+
+@pytest.mark.parametrize("form", ["prefill", "decode", "decode_fp8"])
+def test_lowers_for_cuda_at_v41_sizes(form):
+    """The Triton kernel at H=64, d=512, d_r=64, W=128, top-512, NVFP4 rows and FP8 ring lowers for an
+    abstract H200 (shape/layout errors of the Triton lowering fail here)."""
+    T, R, Hf, d, K, rpb, nb = 8, 2, 64, 512, 512, 64, 32
+    S = jax.ShapeDtypeStruct
+    i32 = lambda *s: S(s, jnp.int32)
+    meta = sa.AttnMeta(i32(T), i32(T), i32(R), i32(R), i32(R), i32(R, 16))
+    args = (S((T, Hf, d), jnp.bfloat16), S((T, 32), jnp.float32), S((T, 32), jnp.float32), S((Hf,), jnp.float32),
+            S((T, d), jnp.bfloat16), S((R, 128, 528), jnp.uint8), meta, S((nb, rpb, 288), jnp.uint8), i32(T, K))
+    kw = {"prefill": dict(block_h=16), "decode": dict(splits=4), "decode_fp8": dict(out_fp8=True)}[form]
+    text = lowering.lower_for_cuda(sa.pallas, *args, interpret=False, **kw)
+    assert lowering.count_gpu_kernels(text) == 1, text[:2000]
