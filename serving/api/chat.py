@@ -37,19 +37,22 @@ async def chat_completion(req: ChatCompletionRequest, ctx: Context, session_id: 
     prompt_ids, thinking = build_prompt(req, ctx.tokenizer)
     params = req.to_sampling()
     rid = new_id("chatcmpl")
-    streams = await submit_choices(ctx.engine, rid, prompt_ids, params, priority=req.priority, session_id=session_id)
+    streams = await submit_choices(ctx.engine, rid, prompt_ids, params, priority=req.priority, session_id=session_id,
+                                   cache_salt=req.cache_salt)
     tools = req.tools if req.tools and req.tool_choice != "none" else None
     if req.stream:
         return _stream(req, ctx, rid, streams, len(prompt_ids), thinking, tools)
-    return await _whole(req, ctx, rid, streams, len(prompt_ids), thinking, tools)
+    return await _whole(req, ctx, rid, streams, prompt_ids, thinking, tools)
 
 
-async def _whole(req, ctx, rid, streams, n_prompt, thinking, tools) -> dict:
+async def _whole(req, ctx, rid, streams, prompt_ids, thinking, tools) -> dict:
     n = len(streams)
     texts, lps, reasons, stop_reasons = [""] * n, [[] for _ in range(n)], [None] * n, [None] * n
-    usage, prompt_lp = Usage(n_prompt), None
+    ids = [[] for _ in range(n)]
+    usage, prompt_lp = Usage(len(prompt_ids)), None
     async for i, o in merged(streams):
         texts[i] += o.new_text
+        ids[i] += o.new_token_ids
         lps[i] += o.new_logprobs or []
         usage.completion_tokens += len(o.new_token_ids)
         prompt_lp = o.prompt_logprobs if o.prompt_logprobs is not None else prompt_lp
@@ -69,11 +72,13 @@ async def _whole(req, ctx, rid, streams, n_prompt, thinking, tools) -> dict:
         choices.append({"index": i, "message": msg,
                         "logprobs": {"content": chat_logprobs(ctx.tokenizer, lps[i])} if req.logprobs else None,
                         "finish_reason": "tool_calls" if calls and reasons[i] == "stop" else reasons[i],
-                        "stop_reason": stop_reasons[i]})
+                        "stop_reason": stop_reasons[i], **({"token_ids": ids[i]} if req.return_token_ids else {})})
     out = {"id": rid, "object": "chat.completion", "created": now(), "model": ctx.model_name, "choices": choices,
            "usage": usage.to_openai()}
     if req.prompt_logprobs is not None:
         out["prompt_logprobs"] = prompt_logprobs_json(prompt_lp)
+    if req.return_token_ids:
+        out["prompt_token_ids"] = prompt_ids
     return out
 
 
@@ -116,6 +121,8 @@ async def _stream(req, ctx, rid, streams, n_prompt, thinking, tools) -> AsyncIte
                 delta["content"] = content
             if calls:
                 delta["tool_calls"] = [c.to_openai() for c in calls]
+            if req.return_token_ids and o.new_token_ids:
+                delta["token_ids"] = o.new_token_ids
             lp = {"content": chat_logprobs(ctx.tokenizer, o.new_logprobs)} if req.logprobs and o.new_logprobs else None
             if o.finished:
                 if i == 0:

@@ -33,7 +33,7 @@ async def completion(req: CompletionRequest, ctx: Context, session_id: str | Non
     try:
         for k, p in enumerate(ids):
             all_streams.append(await submit_choices(ctx.engine, f"{rid}-{k}", p, params, priority=req.priority,
-                                                    session_id=session_id))
+                                                    session_id=session_id, cache_salt=req.cache_salt))
     except BaseException:
         for streams in all_streams:
             for s in streams:
@@ -49,11 +49,12 @@ async def completion(req: CompletionRequest, ctx: Context, session_id: str | Non
 
 async def _whole(req, ctx, rid, streams, ids, texts) -> dict:
     n = len(streams)
-    out_text, lps = [""] * n, [[] for _ in range(n)]
+    out_text, lps, out_ids = [""] * n, [[] for _ in range(n)], [[] for _ in range(n)]
     finish, stop, prompt_lp = [None] * n, [None] * n, [None] * n
     usage = Usage(sum(len(p) for p in ids))
     async for i, o in merged(streams):
         out_text[i] += o.new_text
+        out_ids[i] += o.new_token_ids
         lps[i] += o.new_logprobs or []
         usage.completion_tokens += len(o.new_token_ids)
         if o.prompt_logprobs is not None:
@@ -72,6 +73,8 @@ async def _whole(req, ctx, rid, streams, ids, texts) -> dict:
              "logprobs": completion_logprobs(ctx.tokenizer, lps[i], 0) if req.logprobs is not None else None}
         if req.prompt_logprobs is not None:
             c["prompt_logprobs"] = prompt_logprobs_json(prompt_lp[i])
+        if req.return_token_ids:
+            c["token_ids"], c["prompt_token_ids"] = out_ids[i], ids[k]
         choices.append(c)
     return {"id": rid, "object": "text_completion", "created": now(), "model": ctx.model_name, "choices": choices,
             "usage": usage.to_openai()}
@@ -91,10 +94,12 @@ async def _stream(req, ctx, rid, streams, ids) -> AsyncIterator[str]:
             offsets[i] += len(o.new_text)
             if o.finished and i % req.n == 0:
                 usage.cached_tokens += o.num_cached_tokens
-            if not (o.new_text or o.finished or lp):
+            if not (o.new_text or o.finished or lp or req.return_token_ids):
                 continue
             choice = {"index": i, "text": o.new_text, "logprobs": lp,
                       "finish_reason": o.finish_reason if o.finished else None}
+            if req.return_token_ids:
+                choice["token_ids"] = o.new_token_ids
             if o.finished:
                 choice["stop_reason"] = o.stop_reason
             if o.prompt_logprobs is not None:

@@ -43,15 +43,14 @@ def sse(obj: dict) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-async def submit_choices(engine: AsyncEngine, base_id: str, prompt_ids: list[int], params: SamplingParams, *,
-                         priority: int, session_id: str | None) -> list[RequestStream]:
+async def submit_choices(engine: AsyncEngine, base_id: str, prompt_ids: list[int], params: SamplingParams,
+                         **meta) -> list[RequestStream]:
     """One engine request per choice (seeded choices get seed + index); all or none are queued."""
     streams: list[RequestStream] = []
     try:
         for i in range(params.n):
             p = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
-            streams.append(await engine.submit(f"{base_id}-{i}", prompt_ids, p, priority=priority,
-                                               session_id=session_id))
+            streams.append(await engine.submit(f"{base_id}-{i}", prompt_ids, p, **meta))
     except BaseException:
         for s in streams:
             s.close()

@@ -44,6 +44,8 @@ class _Sampling(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    return_token_ids: bool = False  # vLLM: choices carry `token_ids`, the response `prompt_token_ids`
+    cache_salt: str | None = None  # vLLM: prefix-cache namespace (tenants, or opting out of shared blocks)
 
     def unsupported(self) -> str | None:
         """A message for parameters accepted by OpenAI/vLLM that this engine does not implement."""
@@ -62,7 +64,7 @@ class _Sampling(BaseModel):
             min_p=self.min_p or 0.0, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
-            prompt_logprobs=self.prompt_logprobs, skip_special_tokens=self.skip_special_tokens)
+            prompt_logprobs=self.prompt_logprobs, skip_special_tokens=self.skip_special_tokens, n=self.n)
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)

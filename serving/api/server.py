@@ -138,7 +138,7 @@ def build_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len:
             return error(503, str(e))
         if isinstance(result, dict):
             return result
-        return StreamingResponse(_guard(result), media_type="text/event-stream")
+        return StreamingResponse(_guard(result, request), media_type="text/event-stream")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request, body: ChatCompletionRequest):
@@ -151,33 +151,63 @@ def build_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len:
     return app
 
 
-async def _guard(lines: AsyncIterator[str]) -> AsyncIterator[str]:
-    """An engine failure mid-stream becomes an SSE error event instead of a broken connection."""
+async def _guard(lines: AsyncIterator[str], request: Request) -> AsyncIterator[str]:
+    """Stream SSE lines until done or the client leaves (then the producer is cancelled: its requests abort).
+    Uvicorn does not fail a write to a closed connection, and a stream may go quiet while tokens complete no
+    character, so the connection is watched rather than waiting for a failed send. An engine failure
+    mid-stream becomes an SSE error event instead of a broken connection."""
+    gone = asyncio.ensure_future(_disconnected(request))
+    it, nxt = lines.__aiter__(), None
     try:
-        async for line in lines:
+        while True:
+            nxt = asyncio.ensure_future(it.__anext__())
+            await asyncio.wait([nxt, gone], return_when=asyncio.FIRST_COMPLETED)
+            if not nxt.done():
+                log.info("client disconnected; streaming request aborted")
+                return
+            try:
+                line = nxt.result()
+            except StopAsyncIteration:
+                return
+            except EngineDead as e:
+                yield sse({"error": {"message": str(e), "type": "ServiceUnavailableError", "code": 503}})
+                yield SSE_DONE
+                return
             yield line
-    except EngineDead as e:
-        yield sse({"error": {"message": str(e), "type": "ServiceUnavailableError", "code": 503}})
-        yield SSE_DONE
     finally:
+        gone.cancel()
+        # Starlette may cancel this generator (its own disconnect watch) at any await, and its cancel scope
+        # re-raises at every later await here: the producer is shut down from a task of its own.
+        _background.add(t := asyncio.ensure_future(_shutdown(nxt, lines)))
+        t.add_done_callback(_background.discard)
+
+
+_background: set[asyncio.Future] = set()
+
+
+async def _shutdown(nxt: asyncio.Future | None, lines) -> None:
+    """Cancel a pending `__anext__` (unwinding the producer closes its streams: the requests abort), else
+    close the producer."""
+    if nxt is not None and not nxt.done():
+        nxt.cancel()
+        await asyncio.gather(nxt, return_exceptions=True)
+    else:
         await lines.aclose()
+
+
+async def _disconnected(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.25)
 
 
 async def _until_disconnect(request: Request, work):
     """Run a handler; if the client goes away first, cancel it (its streams close and abort)."""
     task = asyncio.ensure_future(work)
-
-    async def disconnected():
-        while not task.done():
-            if await request.is_disconnected():
-                return
-            await asyncio.sleep(0.25)
-
-    watch = asyncio.ensure_future(disconnected())
+    gone = asyncio.ensure_future(_disconnected(request))
     try:
-        await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
     finally:
-        watch.cancel()
+        gone.cancel()
     if not task.done():
         task.cancel()
         log.info("client disconnected; request aborted")

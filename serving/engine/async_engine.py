@@ -51,14 +51,15 @@ class AsyncEngine:
 
     # -------------------------------------------------------------- event-loop side
     async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *, priority: int = 0,
-                     session_id: str | None = None) -> "RequestStream":
+                     session_id: str | None = None, cache_salt: str | None = None) -> "RequestStream":
         """Queue a request; raises ValueError (bad request), QueueFull or EngineDead before anything streams."""
         if not self.healthy:
             raise EngineDead(f"the engine stopped: {self.error!r}")
         accepted = self._loop.create_future()
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream.queue
-        self._submit(("add", request_id, prompt_ids, params, priority, session_id, accepted))
+        self._submit(("add", request_id, prompt_ids, params, dict(priority=priority, session_id=session_id,
+                                                                   cache_salt=cache_salt), accepted))
         try:
             await accepted
         except BaseException:
@@ -104,9 +105,9 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, prompt, params, priority, session, fut = cmd
+                _, rid, prompt, params, meta, fut = cmd
                 try:
-                    self.engine.add_request(rid, prompt, params, priority=priority, session_id=session)
+                    self.engine.add_request(rid, prompt, params, **meta)
                 except Exception as e:  # ValueError / QueueFull: the caller's answer
                     self._loop.call_soon_threadsafe(_set_exception, fut, e)
                 else:

@@ -85,7 +85,7 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *, priority: int = 0,
-                    session_id: str | None = None) -> Request:
+                    session_id: str | None = None, cache_salt: str | None = None) -> Request:
         """Validate and queue; `ValueError` names what is wrong, `QueueFull` when the queue is full."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -112,17 +112,21 @@ class Engine:
         if params.seed is None and not params.greedy:
             params = dataclasses.replace(params, seed=int(self._rng.integers(2**31)))  # independent streams
         params = dataclasses.replace(params, max_tokens=max_tokens)
-        req = Request(request_id, prompt, params, eos_id=self.eos_id, priority=priority, session_id=session_id)
+        req = Request(request_id, prompt, params, eos_id=self.eos_id, priority=priority, session_id=session_id,
+                      cache_salt=cache_salt)
         self.scheduler.add(req)
         self.requests[request_id] = req
         self._out[request_id] = OutputState(req, self.tokenizer, limit)
+        self._update_gauges()
         return req
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.requests.get(request_id)
         if req is None:
             return None
-        return self._finish(req, "abort", None, "")
+        out = self._finish(req, "abort", None, "")
+        self._update_gauges()  # the engine may be idle now: no step would refresh them
+        return out
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)

@@ -33,6 +33,7 @@ class Request:
     eos_id: int | None = None
     priority: int = 0  # lower runs first under the priority policy (vLLM's convention)
     session_id: str | None = None  # X-Session-ID: recorded, and the DP router's key
+    cache_salt: str | None = None  # prefix-cache namespace: only requests with the same salt share blocks
     arrival: float = field(default_factory=time.monotonic)
     # --- state, owned by the engine thread
     token_ids: list[int] = field(init=False)  # prompt + output; the runtime reads it in place
@@ -70,6 +71,10 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def cache_key(self) -> bytes:
+        return (self.cache_salt or "").encode()
 
     @property
     def keeps_all_rows(self) -> bool:

@@ -156,11 +156,11 @@ class Scheduler:
         bm = self.blocks
         hit = PrefixHit(0, ())
         if self.cfg.enable_prefix_caching and not req.keeps_all_rows:
-            hit = bm.lookup(req.token_ids[:-1])  # at least one token is computed: its logits are needed
+            hit = bm.lookup(req.token_ids[:-1], req.cache_key)  # at least one token is computed: its logits
         plan = plan_prefix_hit(hit.num_tokens, self.model_config, self.cfg.swa_bounded_replay)
         if plan.hit_tokens < hit.num_tokens:
             hit = PrefixHit(plan.hit_tokens, hit.block_ids[: plan.hit_tokens // bm.block_size])
-        bm.admit(req.request_id, req.token_ids, hit)
+        bm.admit(req.request_id, req.token_ids, hit, req.cache_key)
         if not bm.allocate(req.request_id, req.num_tokens):
             bm.free(req.request_id)
             return None

@@ -1,0 +1,264 @@
+"""The real server in a subprocess, driven with the official `openai` client and raw HTTP: both endpoints,
+streaming and not, usage and cached tokens, stops, n, seeds, logprobs, tool-call history, disconnects,
+bad input (4xx naming the problem; the server keeps serving), the API key, and 256 concurrent streams."""
+
+import asyncio
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from serving.api.encoding import encode_messages_to_ids
+from serving.api.tokenizer import byte_level_tokenizer
+
+KEY = "test-key"
+ROOT = Path(__file__).resolve().parents[2]
+TOK = byte_level_tokenizer(512)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = _free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    cmd = [sys.executable, "-m", "serving.server", "--port", str(port), "--api-key", KEY, "--max-num-seqs", "8",
+           "--max-num-batched-tokens", "64", "--max-model-len", "2048", "--block-size", "16",
+           "--token-buckets", "8,16,32,64", "--disable-access-log", "--max-request-body-bytes", "200000",
+           "--compilation-cache-dir", str(tmp_path_factory.mktemp("xla"))]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 1200
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    else:
+        proc.kill()
+        pytest.fail(f"server not ready:\n{log.read_text()[-3000:]}")
+    yield url
+    proc.terminate()
+    proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0)
+
+
+def _metric(server, name) -> float:
+    """The metric's value, summed over its label sets."""
+    text = httpx.get(f"{server}/metrics").text
+    values = re.findall(rf"^{re.escape(name)}{{[^}}]*}} ([0-9.e+-]+)$", text, re.M)
+    assert values, f"{name} not in /metrics"
+    return sum(float(v) for v in values)
+
+
+def _ids(seed, n):
+    import numpy as np
+
+    return [int(t) for t in np.random.default_rng(seed).integers(20, 270, n)]
+
+
+def _idle(server, timeout=30):
+    """Wait until nothing runs or waits and every block is free again."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (_metric(server, "vllm:num_requests_running") == 0 and _metric(server, "vllm:num_requests_waiting") == 0
+                and _metric(server, "dsv41:kv_free_blocks") == _metric(server, "dsv41:kv_total_blocks")):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_models_health_and_api_key(server, client):
+    assert httpx.get(f"{server}/health").status_code == 200  # open without a key
+    assert [m.id for m in client.models.list().data] == ["dsv41-tiny"]
+    bad = openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError, match="API key"):
+        bad.completions.create(model="dsv41-tiny", prompt="hi", max_tokens=2)
+    assert httpx.post(f"{server}/v1/completions", json={"prompt": "hi"}).status_code == 401
+
+
+def test_completions_stream_equals_whole(client):
+    kw = dict(model="dsv41-tiny", prompt=_ids(0, 30), max_tokens=12, temperature=0,
+              extra_body={"return_token_ids": True, "ignore_eos": True})
+    # Distinct cache salts: a prefix hit with bounded replay is approximate by design, so the second request
+    # must not reuse the first one's blocks.
+    whole = client.completions.create(**{**kw, "extra_body": {**kw["extra_body"], "cache_salt": "whole"}})
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True},
+                                            **{**kw, "extra_body": {**kw["extra_body"], "cache_salt": "stream"}}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    ids = [t for c in chunks if c.choices for t in c.choices[0].model_extra["token_ids"]]
+    assert whole.choices[0].text == text and whole.choices[0].model_extra["token_ids"] == ids and len(ids) == 12
+    assert whole.choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].usage.prompt_tokens == 30
+
+
+def test_chat_stream_equals_whole_and_reasoning_is_split(client):
+    kw = dict(model="dsv41-tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=10, temperature=0)
+    whole = client.chat.completions.create(**kw, extra_body={"cache_salt": "whole"})
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw,
+                                                 extra_body={"cache_salt": "stream"}))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert deltas[0].role == "assistant"
+    reasoning = "".join(d.model_extra.get("reasoning_content") or "" for d in deltas)
+    content = "".join(d.content or "" for d in deltas)
+    msg = whole.choices[0].message
+    assert (msg.model_extra.get("reasoning_content") or "", msg.content) == (reasoning, content)
+    assert reasoning  # thinking is on by default: the untrained model never closes </think>
+    prompt = encode_messages_to_ids(TOK, kw["messages"])
+    assert whole.usage.prompt_tokens == len(prompt) == chunks[-1].usage.prompt_tokens
+
+
+def test_cached_tokens_on_a_repeated_prefix(client):
+    prompt = _ids(1, 200)
+    first = client.completions.create(model="dsv41-tiny", prompt=prompt, max_tokens=2, temperature=0)
+    again = client.completions.create(model="dsv41-tiny", prompt=prompt[:190] + [33, 34], max_tokens=2,
+                                      temperature=0)
+    salted = client.completions.create(model="dsv41-tiny", prompt=prompt, max_tokens=2, temperature=0,
+                                       extra_body={"cache_salt": "tenant-b"})
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == 176  # 11 full blocks of 16 shared
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0  # another namespace
+
+
+def test_stop_strings_and_stop_token_ids(client):
+    kw = dict(model="dsv41-tiny", prompt="The stop test", max_tokens=16, temperature=0,
+              extra_body={"return_token_ids": True, "ignore_eos": True})
+    full = client.completions.create(**kw).choices[0]
+    ids = full.model_extra["token_ids"]
+    by_id = client.completions.create(**{**kw, "extra_body": {**kw["extra_body"], "stop_token_ids": [ids[5]]}})
+    got = by_id.choices[0]
+    assert got.finish_reason == "stop" and got.model_extra["stop_reason"] == ids[5]
+    assert got.model_extra["token_ids"] == ids[: ids.index(ids[5]) + 1]
+    for j in range(20):  # the untrained model's bytes are mostly invalid UTF-8: find an output with a character
+        kw["prompt"] = f"The stop test {j}"
+        text = client.completions.create(**kw).choices[0].text
+        stops = [c for c in text[1:] if c != "\ufffd"]
+        if stops:
+            break
+    by_str = client.completions.create(stop=[stops[0]], **kw).choices[0]
+    assert by_str.finish_reason == "stop" and by_str.model_extra["stop_reason"] == stops[0]
+    assert by_str.text == text[: text.find(stops[0])]
+
+
+def test_n_choices_and_seeds_reproduce(client):
+    kw = dict(model="dsv41-tiny", prompt="seeded", max_tokens=8, temperature=1.0, n=3, seed=5,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    ta = [c.model_extra["token_ids"] for c in a.choices]
+    assert [c.index for c in a.choices] == [0, 1, 2] and ta == [c.model_extra["token_ids"] for c in b.choices]
+    assert len({tuple(t) for t in ta}) > 1  # the choices are different samples
+    assert a.usage.completion_tokens == 24
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(model="dsv41-tiny", messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 5
+    for e in content:
+        assert len(e.top_logprobs) == 3 and e.logprob == pytest.approx(e.top_logprobs[0].logprob)
+        assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob >= e.top_logprobs[2].logprob
+
+
+def test_tool_call_history_is_encoded(client):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18C, sunny"}]
+    r = client.chat.completions.create(model="dsv41-tiny", messages=messages, tools=tools, max_tokens=4,
+                                       extra_body={"chat_template_kwargs": {"thinking": False}})
+    assert r.usage.prompt_tokens == len(encode_messages_to_ids(TOK, messages, tools=tools, thinking=False))
+    assert r.choices[0].finish_reason in ("length", "stop", "tool_calls")
+
+
+def test_client_disconnect_aborts_and_frees_blocks(server):
+    body = {"model": "dsv41-tiny", "prompt": _ids(2, 100), "max_tokens": 400, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=60) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(3)]
+    assert any(line.startswith("data: ") for line in got)
+    assert _idle(server), "the aborted request still holds blocks"
+
+
+BAD = [
+    ("/v1/chat/completions", b"{not json", 400, "not valid JSON"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": -1}, 400, "temperature"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 2}, 400, "top_p"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0}, 400, "n: "),
+    ("/v1/chat/completions", {"messages": [{"role": "bot", "content": "x"}]}, 400, "messages[0].role"),
+    ("/v1/chat/completions", {"model": "dsv41-tiny"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "presence_penalty": 1}, 400,
+     "presence_penalty"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 30,
+                              "logprobs": True}, 400, "top_logprobs"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "abc"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": [5] * 2100}, 400, "maximum context length"),
+    ("/v1/completions", {"prompt": [999999]}, 400, "vocabulary"),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "does not exist"),
+    ("/v1/completions", {"prompt": "x" * 300000}, 413, "exceeds the limit"),
+    ("/v1/nothing", {"prompt": "x"}, 404, "Not Found"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,needle", BAD, ids=[b[3] for b in BAD])
+def test_bad_input_gets_4xx_naming_the_problem(server, client, path, body, status, needle):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(f"{server}{path}", headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+                   timeout=30, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["code"] == status
+    assert client.completions.create(model="dsv41-tiny", prompt="ok", max_tokens=1).choices[0].finish_reason
+
+
+def test_256_concurrent_streams_complete_and_blocks_return(server):
+    async def one(c, i):
+        text, n = "", 0
+        stream = await c.completions.create(model="dsv41-tiny", prompt=_ids(100 + i, 10 + i % 40), max_tokens=6,
+                                            temperature=0.7, seed=i, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        async for ch in stream:
+            if ch.choices:
+                text += ch.choices[0].text
+            if ch.usage:
+                n = ch.usage.completion_tokens
+        return n
+
+    async def main():
+        c = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=600)
+        return await asyncio.gather(*(one(c, i) for i in range(256)), return_exceptions=True)
+
+    results = asyncio.run(main())
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors, errors[:3]
+    assert results == [6] * 256
+    assert _idle(server)
+    assert _metric(server, "vllm:request_success_total") >= 256
