@@ -1,10 +1,12 @@
 # make setup: .venv with a Python >= 3.12 found on this machine (tools/find_python.sh), project + dev extras.
 # make test:  setup when needed, then the whole suite.
+# make serve: setup when needed, then the OpenAI-compatible server on the built-in tiny model
+#             (pass flags with ARGS, e.g. make serve ARGS="--model /path/to/checkpoint --port 9000").
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup test oracle-fixtures clean
+.PHONY: setup test serve oracle-fixtures clean
 
 setup: $(STAMP)
 
@@ -17,6 +19,9 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile
+
+serve: $(STAMP)
+	$(PY) -m serving.server $(ARGS)
 
 # Regenerate the HF-oracle fixtures; needs a Python with torch 2.13 + transformers 5.24 (see tests/oracle/README.md).
 ORACLE_PYTHON ?= .oracle-venv/bin/python

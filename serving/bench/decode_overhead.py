@@ -1,0 +1,138 @@
+"""Served decode throughput vs the bare jitted decode step, side by side in one run.
+
+bare    the runtime alone: `batch` requests prefilled to `context` tokens, then `steps` decode steps of
+        `Runner.step` (host batch build + both segments + on-device sampling + the tokens' copy to the host);
+        tokens/s = batch / median step time.
+served  `python -m serving.server` with the same engine configuration, `batch` concurrent streaming
+        completions of `context` token-id prompts and `steps` forced output tokens; tokens/s counted over
+        the window in which every request is decoding (from the last first-token to the first last-token),
+        from each chunk's arrival time and token ids - scheduler, detokenizer, SSE and HTTP included.
+
+    python -m serving.bench.decode_overhead [--model small] [--batch 32] [--context 256] [--steps 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _engine_flags(args) -> list[str]:
+    buckets = sorted({args.batch, args.max_num_batched_tokens})
+    return ["--max-num-seqs", str(args.batch), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--max-model-len", str(args.context + args.steps + 8), "--block-size", str(args.block_size),
+            "--token-buckets", ",".join(map(str, buckets)), "--dtype", args.dtype]
+
+
+def bare(args) -> dict:
+    import dsv41
+    from serving.bench.prefill import bench_decode
+    from serving.engine.engine import EngineArgs
+    from serving.runtime.runner import Runner, enable_compilation_cache
+
+    enable_compilation_cache(args.compilation_cache_dir)
+    model = (dsv41.random_model(args.model or "tiny", dtype=args.dtype)
+             if args.model is None or args.model in dsv41.PRESETS else dsv41.load(args.model, dtype=args.dtype))
+    ea = EngineArgs(max_num_seqs=args.batch, max_num_batched_tokens=args.max_num_batched_tokens,
+                    max_model_len=args.context + args.steps + 8, block_size=args.block_size,
+                    token_buckets=tuple(sorted({args.batch, args.max_num_batched_tokens})))
+    r = Runner(model, ea.runtime_config(), progress=False)
+    r.precompile()
+    tps = bench_decode(r, args.batch, args.context, args.steps, model.config.vocab_size)
+    return {"tokens_per_s": tps, "step_ms": 1000 * args.batch / tps}
+
+
+async def _stream(client, url, prompt, steps, log):
+    body = {"prompt": prompt, "max_tokens": steps, "temperature": 0, "stream": True, "ignore_eos": True,
+            "return_token_ids": True}
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                ch = json.loads(line[6:])
+                if ch["choices"]:
+                    log.append((time.perf_counter(), len(ch["choices"][0].get("token_ids") or [])))
+
+
+def served(args) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "serving.server", "--port", str(port), "--disable-access-log", "--log-level",
+           "warning", "--compilation-cache-dir", args.compilation_cache_dir, *_engine_flags(args)]
+    if args.model:
+        cmd += ["--model", args.model]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {proc.returncode}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        vocab = 500 if args.model in (None, "tiny") else 30000
+        prompts = [[int(t) for t in np.random.default_rng(1000 + i).integers(3, vocab, args.context)]
+                   for i in range(args.batch)]
+
+        async def run():
+            async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=args.batch + 4)) as c:
+                await _stream(c, url, prompts[0][:16], 4, [])  # warm-up
+                logs = [[] for _ in prompts]
+                await asyncio.gather(*(_stream(c, url, p, args.steps, log) for p, log in zip(prompts, logs)))
+                return logs
+
+        logs = asyncio.run(run())
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    start = max(log[0][0] for log in logs)  # every request has its first token: all are decoding
+    end = min(log[-1][0] for log in logs)
+    tokens = sum(n for log in logs for t, n in log if start < t <= end)
+    return {"tokens_per_s": tokens / (end - start), "window_s": end - start, "tokens_in_window": tokens}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m serving.bench.decode_overhead", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="preset or checkpoint (default: the built-in tiny model)")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--compilation-cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "dsv41-jax",
+                                                                     "xla"))
+    ap.add_argument("--out", default="bench_decode_overhead.json")
+    args = ap.parse_args(argv)
+    b = bare(args)
+    s = served(args)
+    ratio = s["tokens_per_s"] / b["tokens_per_s"]
+    res = {"model": args.model or "tiny (built-in)", "batch": args.batch, "context": args.context,
+           "steps": args.steps, "dtype": args.dtype, "bare": b, "served": s, "served_over_bare": ratio}
+    print(f"decode at batch {args.batch}, context {args.context}, {args.model or 'tiny'} ({args.dtype})")
+    print(f"{'':8} {'tokens/s':>10} {'ms/step':>8}")
+    print(f"{'bare':8} {b['tokens_per_s']:10.1f} {b['step_ms']:8.2f}")
+    print(f"{'served':8} {s['tokens_per_s']:10.1f} {1000 * args.batch / s['tokens_per_s']:8.2f}")
+    print(f"served / bare = {ratio:.3f} (target >= 0.90)")
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
