@@ -5,7 +5,17 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
+
+from serving.runtime.runner import enable_compilation_cache  # noqa: E402
+
+# Tests that build the same engine configuration in several processes (xdist workers, server subprocesses,
+# reruns) load compiled buckets from disk instead of recompiling them.
+XLA_CACHE = Path(tempfile.gettempdir()) / "dsv41-jax-tests-xla"
+enable_compilation_cache(str(XLA_CACHE))
 
 
 def pytest_addoption(parser):

@@ -18,6 +18,7 @@ import pytest
 
 from serving.api.encoding import encode_messages_to_ids
 from serving.api.tokenizer import byte_level_tokenizer
+from tests.conftest import XLA_CACHE
 
 KEY = "test-key"
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +38,7 @@ def server(tmp_path_factory):
     cmd = [sys.executable, "-m", "serving.server", "--port", str(port), "--api-key", KEY, "--max-num-seqs", "8",
            "--max-num-batched-tokens", "64", "--max-model-len", "2048", "--block-size", "16",
            "--token-buckets", "8,16,32,64", "--disable-access-log", "--max-request-body-bytes", "200000",
-           "--compilation-cache-dir", str(tmp_path_factory.mktemp("xla"))]
+           "--compilation-cache-dir", str(XLA_CACHE)]
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONPATH": str(ROOT)})

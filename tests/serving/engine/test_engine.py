@@ -18,14 +18,22 @@ from serving.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
-def engine():
+def model():
+    return dsv41.random_model("tiny", seed=3)
+
+
+@pytest.fixture(scope="module")
+def args(model):
     """12 KV blocks of 8 tokens: two 44-token requests fit, three preempt."""
-    model = dsv41.random_model("tiny", seed=3)
     probe = CacheLayout(model.config, 1, 8, 4, "auto", "float32")
-    args = EngineArgs(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=96, block_size=8,
+    return EngineArgs(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=96, block_size=8,
                       swa_bounded_replay=False,
                       kv_cache_memory=4 * probe.bytes_per_slot() + 12 * probe.bytes_per_block(),
                       token_buckets=(8, 16, 32))
+
+
+@pytest.fixture(scope="module")
+def engine(model, args):
     eng = Engine(model, None, args, progress=False)
     assert eng.blocks.num_blocks == 12
     return eng
@@ -103,3 +111,24 @@ def test_bad_requests_name_the_problem(engine):
         with pytest.raises(ValueError, match=msg):
             engine.add_request("bad", prompt, params)
     assert not engine.has_unfinished()
+
+
+def test_offline_llm_matches_the_engine(engine, model, args):
+    """`serving.LLM` over the same engine configuration: token-id and text prompts, n, and the greedy tokens
+    the engine gives the same prompt."""
+    from dataclasses import asdict
+
+    from serving import LLM
+    from serving.api.tokenizer import byte_level_tokenizer
+
+    llm = LLM(model, tokenizer=byte_level_tokenizer(512), progress=False, **asdict(args))
+    p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = _prompt(21)
+    (direct,), _ = _serve(engine, [prompt], p)
+    res = llm.generate([prompt, "hello"], p)
+    assert res[0].outputs[0].token_ids == direct and res[0].prompt_token_ids == prompt
+    assert res[1].prompt_token_ids[0] == 0 and len(res[1].outputs[0].token_ids) == 6  # BOS + the text's bytes
+    many = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=1.0, seed=4, n=3, max_tokens=5))
+    assert [c.index for c in many[0].outputs] == [0, 1, 2] and len({tuple(c.token_ids) for c in many[0].outputs}) > 1
+    chat = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=3, temperature=0))
+    assert chat[0].prompt_token_ids[0] == 0 and chat[0].outputs[0].finish_reason in ("length", "stop")
