@@ -51,6 +51,9 @@ class ExpertDispatch:
     def __call__(self, experts: Experts, x_TD: jax.Array, sel_Tk: jax.Array, weights_Tk: jax.Array) -> jax.Array:
         T = x_TD.shape[0]
         n_shards = self.ep
+        if hasattr(experts, "eplb_replicas"):  # EPLB placement: each choice -> one replica of its expert
+            replicas, count = experts.eplb_replicas[...], experts.eplb_replica_count[...]
+            sel_Tk = replicas[sel_Tk, jnp.arange(T)[:, None] % count[sel_Tk]]
         T_pad = -(-T // n_shards) * n_shards
         valid = jnp.arange(T_pad) < T
         pad = ((0, T_pad - T), (0, 0))

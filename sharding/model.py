@@ -47,6 +47,28 @@ class ShardedModel:
         self._leaves, treedef = jax.tree.flatten(state)
         self._fn = jax.jit(functools.partial(_forward_leaves, graphdef, treedef), static_argnames=("fake_quant",))
 
+    def apply_placement(self, placement) -> None:
+        """Lay the backbone's routed experts out as `placement` (sharding.eplb.Placement, slots of rank r
+        contiguous): physical weights gathered from the logical ones, the replica tables beside them.
+        The first call adds the tables (a new graph); later calls only change values, so a Runner built
+        after the first call keeps its compiled steps: swap `runner._leaves = model.leaves()` between steps."""
+        table, count = placement.replicas()
+        gather = jax.jit(lambda w, idx: jnp.take(w, idx, axis=0))
+        for l, block in enumerate(self.module.layers):
+            ex = block.ffn.experts
+            for name in ("w1", "w2", "w3"):
+                path = ("layers", l, "ffn", "experts", name)
+                setattr(ex, name, nnx.Param(jax.device_put(gather(self.params[path], placement.phys_to_log[l]),
+                                                           self.shardings[path])))
+            ex.eplb_replicas = nnx.Variable(rules.place(table[l], rules.replicated(self.mesh)))
+            ex.eplb_replica_count = nnx.Variable(rules.place(count[l], rules.replicated(self.mesh)))
+        graphdef, state = nnx.split(self.module)
+        self._leaves, treedef = jax.tree.flatten(state)
+        self._fn = jax.jit(functools.partial(_forward_leaves, graphdef, treedef), static_argnames=("fake_quant",))
+
+    def leaves(self) -> list[jax.Array]:
+        return self._leaves
+
     def logits(self, input_ids, *, fake_quant: bool = False) -> np.ndarray:
         """As `dsv41.Model.logits`: [T] ids -> [T, vocab] float32 ([B, T] -> [B, T, vocab])."""
         ids = self.base._check_ids(input_ids)
