@@ -45,7 +45,8 @@ class ShardedModel:
         install_dispatch(self.module, self.dispatch)
         graphdef, state = nnx.split(self.module)
         self._leaves, treedef = jax.tree.flatten(state)
-        self._fn = jax.jit(functools.partial(_forward_leaves, graphdef, treedef), static_argnames=("fake_quant",))
+        self._fn = jax.jit(functools.partial(_forward_leaves, graphdef, treedef), static_argnames=("fake_quant",),
+                           out_shardings=rules.replicated(self.mesh))
 
     def apply_placement(self, placement) -> None:
         """Lay the backbone's routed experts out as `placement` (sharding.eplb.Placement, slots of rank r
@@ -64,7 +65,8 @@ class ShardedModel:
             ex.eplb_replica_count = nnx.Variable(rules.place(count[l], rules.replicated(self.mesh)))
         graphdef, state = nnx.split(self.module)
         self._leaves, treedef = jax.tree.flatten(state)
-        self._fn = jax.jit(functools.partial(_forward_leaves, graphdef, treedef), static_argnames=("fake_quant",))
+        self._fn = jax.jit(functools.partial(_forward_leaves, graphdef, treedef), static_argnames=("fake_quant",),
+                           out_shardings=rules.replicated(self.mesh))
 
     def leaves(self) -> list[jax.Array]:
         return self._leaves
@@ -77,7 +79,7 @@ class ShardedModel:
         h = self.base.engram_hashes(ids)
         out = self._fn(self._leaves, jnp.asarray(ids, jnp.int32), None if h is None else jnp.asarray(h),
                        fake_quant=fake_quant)
-        return np.asarray(jax.device_get(out)) if jax.process_count() == 1 else _gather(out)
+        return np.asarray(out.addressable_data(0))  # replicated: every process holds all of it
 
     def lower_logits(self, n_tokens: int):
         """The lowered prefill of n_tokens ids (for HLO inspection)."""
@@ -96,9 +98,3 @@ def install_dispatch(module: nnx.Module, dispatch: ExpertDispatch) -> int:
             m.routed_compute = dispatch
             n += 1
     return n
-
-
-def _gather(x: jax.Array) -> np.ndarray:
-    """A (replicated or sharded) global array -> host numpy on every process."""
-    from jax.experimental import multihost_utils
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
