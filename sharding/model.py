@@ -43,10 +43,7 @@ class ShardedModel:
         self.module = nnx.merge(graphdef, nnx.from_flat_state([(p, nnx.Param(v)) for p, v in self.params.items()]))
         self.dispatch = ExpertDispatch(self.mesh, capacity_buckets)
         install_dispatch(self.module, self.dispatch)
-        graphdef, state = nnx.split(self.module)
-        self._leaves, treedef = jax.tree.flatten(state)
-        self._fn = jax.jit(functools.partial(_forward_leaves, graphdef, treedef), static_argnames=("fake_quant",),
-                           out_shardings=rules.replicated(self.mesh))
+        self._split()
 
     def apply_placement(self, placement) -> None:
         """Lay the backbone's routed experts out as `placement` (sharding.eplb.Placement, slots of rank r
@@ -63,10 +60,16 @@ class ShardedModel:
                                                            self.shardings[path])))
             ex.eplb_replicas = nnx.Variable(rules.place(table[l], rules.replicated(self.mesh)))
             ex.eplb_replica_count = nnx.Variable(rules.place(count[l], rules.replicated(self.mesh)))
+        self._split()
+
+    def _split(self) -> None:
+        """Leaves of the module; a new jitted forward only when the graph changed (not on a migration)."""
         graphdef, state = nnx.split(self.module)
         self._leaves, treedef = jax.tree.flatten(state)
-        self._fn = jax.jit(functools.partial(_forward_leaves, graphdef, treedef), static_argnames=("fake_quant",),
-                           out_shardings=rules.replicated(self.mesh))
+        if (graphdef, treedef) != getattr(self, "_graph", None):
+            self._graph = (graphdef, treedef)
+            self._fn = jax.jit(functools.partial(_forward_leaves, graphdef, treedef),
+                               static_argnames=("fake_quant",), out_shardings=rules.replicated(self.mesh))
 
     def leaves(self) -> list[jax.Array]:
         return self._leaves
