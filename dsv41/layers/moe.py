@@ -106,9 +106,15 @@ class MoE(nnx.Module):
         self.gate = Router(dim, n_experts, top_k, scaling, hash_vocab=hash_vocab, dtype=dtype)
         self.experts = Experts(n_experts, dim, inter, limit, dtype=dtype)
         self.shared_experts = SharedExpert(dim, inter, limit, dtype=dtype)
+        # Optional replacement of the routed-expert compute, (experts, x [T, D], expert ids [T, k], weights
+        # [T, k]) -> float32 [T, D]: the hook through which `sharding` installs its expert dispatch.
+        self.routed_compute = None
 
     def __call__(self, x_TD: jax.Array, ids_T: jax.Array) -> jax.Array:
         sel, weights = self.gate(x_TD, ids_T)
-        combine = jnp.sum(jax.nn.one_hot(sel, self.n_experts, dtype=jnp.float32) * weights[..., None], axis=1)
-        y = self.experts(x_TD, combine) + self.shared_experts(x_TD)
-        return y.astype(x_TD.dtype)
+        if self.routed_compute is not None:
+            routed = self.routed_compute(self.experts, x_TD, sel, weights)
+        else:
+            combine = jnp.sum(jax.nn.one_hot(sel, self.n_experts, dtype=jnp.float32) * weights[..., None], axis=1)
+            routed = self.experts(x_TD, combine)
+        return (routed + self.shared_experts(x_TD)).astype(x_TD.dtype)

@@ -93,7 +93,10 @@ def check_supported(c: dsv41.ModelConfig) -> None:
 
 
 class Runner:
-    def __init__(self, model: dsv41.Model, rc: RuntimeConfig = RuntimeConfig(), *, progress: bool = True):
+    def __init__(self, model: dsv41.Model, rc: RuntimeConfig = RuntimeConfig(), *, progress: bool = True,
+                 placement=None):
+        """`placement` (e.g. sharding.runtime.MeshPlacement): `cache_shardings(shapes)` and a `replicated`
+        sharding for a model on a mesh; None: one device."""
         c = model.config
         check_supported(c)
         self.model, self.rc, self.config = model, rc, c
@@ -105,7 +108,11 @@ class Runner:
         self.layout = kv_cache.plan_layout(c, memory_bytes=memory, block_size=rc.block_size,
                                            num_slots=rc.max_num_seqs, max_model_len=rc.max_model_len,
                                            fmt=rc.kv_cache_dtype, dtype=model.dtype.name)
+        self.placement = placement
+        cache_sh = placement.cache_shardings(self.layout.shapes()) if placement else None
         self.cache = kv_cache.allocate(self.layout)
+        if placement:
+            self.cache = jax.device_put(self.cache, cache_sh)
         self.max_blocks = -(-rc.max_model_len // rc.block_size)
         ladder = tuple(sorted(rc.token_buckets)) if rc.token_buckets else token_ladder(rc.max_num_batched_tokens,
                                                                                         c.sliding_window)
@@ -124,7 +131,9 @@ class Runner:
             with jax.named_scope("segment2"):
                 return segments.segment2(merge(leaves), self.layout, cache, carry_buf, b, **kw)
 
-        self._fns = {"seg1": jax.jit(seg1, donate_argnums=(1, 2)), "seg2": jax.jit(seg2, donate_argnums=1),
+        out_sh = (cache_sh, placement.replicated) if placement else None  # the cache keeps its layout across steps
+        self._fns = {"seg1": jax.jit(seg1, donate_argnums=(1, 2), out_shardings=out_sh),
+                     "seg2": jax.jit(seg2, donate_argnums=1, out_shardings=out_sh),
                      "sample": jax.jit(functools.partial(sample, max_top_k=rc.max_top_k))}
         # Segment 1 leaves its rows in a persistent buffer of the largest bucket, which segment 2 reads: the
         # kept-row gather then lives in segment 2 and no function is compiled per (tokens, kept rows) pair.
@@ -132,6 +141,8 @@ class Runner:
         b1, _ = self._example(top, top)
         spec = jax.eval_shape(lambda lv, ca, b: seg1(lv, ca, None, b)[1], self._leaves, self.cache, b1)
         self.carry_buf = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), spec)
+        if placement:
+            self.carry_buf = jax.device_put(self.carry_buf, placement.replicated)
         self._exe: dict[tuple, object] = {}
         self.progress = progress
         self.compile_seconds = 0.0
@@ -184,7 +195,8 @@ class Runner:
         elif name == "sample":
             R, V = self.rc.max_num_seqs, self.config.vocab_size
             p = sampling_arrays([], [], R, 0)
-            self._compile(key, "sample", jax.ShapeDtypeStruct((R, V), jnp.float32), p)
+            self._compile(key, "sample", jax.ShapeDtypeStruct((R, V), jnp.float32, sharding=self.placement and
+                                                              self.placement.replicated), p)
         else:
             raise ValueError(f"unknown bucket key {key}; keys are ('seg1', T), ('seg2', T), ('sample',)")
 
@@ -237,7 +249,9 @@ class Runner:
 
 
 def _spec(a) -> jax.ShapeDtypeStruct:
-    return a if isinstance(a, jax.ShapeDtypeStruct) else jax.ShapeDtypeStruct(a.shape, a.dtype)
+    if isinstance(a, jax.ShapeDtypeStruct):
+        return a
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding if isinstance(a, jax.Array) else None)
 
 
 def _merge(graphdef, treedef, leaves):

@@ -1,0 +1,118 @@
+"""Routed-expert compute over the mesh: capacity-padded all-to-all dispatch and combine in a `shard_map`
+(XLA:CPU has no ragged all-to-all, jax-notes §3), installed as `MoE.routed_compute`.
+
+Per rank (tokens split over the expert axes, experts over the same axes, each expert's intermediate
+dimension over the moe_tp axes):
+
+  1. pack every (token, choice) pair into a send buffer [E, C, D] at slot (expert, rank of the pair among
+     this rank's pairs for that expert);
+  2. all_to_all over the expert axes -> [ep sources, E_local, C, D];
+  3. clamped SwiGLU with the rank's intermediate slice, weighted by the router weight, then w2; psum over
+     moe_tp (partial sums of the intermediate slices);
+  4. all_to_all back and gather each pair's row from its slot; sum over the k choices.
+
+No token is dropped: C is the smallest of a few static capacity buckets (a ladder of halvings from the
+worst case, every local token choosing the same expert) that holds the largest per-(rank, expert) count of
+this step, computed from the routing before dispatch and agreed on by a pmax; `lax.switch` runs that
+bucket's dispatch. Decode steps with balanced routing then move a fraction of the worst-case bytes.
+With ep = 1 (the TP layout) the all-to-alls are local and the compute is a grouped einsum per expert.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+from dsv41.layers.basic import matmul_precision
+from dsv41.layers.moe import Experts, swiglu
+from sharding.mesh import EP_AXES, MESH_AXES, MOE_TP_AXES, axis_size
+
+
+def capacity_ladder(bound: int, n_buckets: int) -> tuple[int, ...]:
+    """Static capacities: bound, bound/2, ... (n_buckets of them, at least 1 row), ascending."""
+    return tuple(sorted({max(1, -(-bound // 2 ** i)) for i in range(n_buckets)}))
+
+
+@dataclass(frozen=True)
+class ExpertDispatch:
+    """`MoE.routed_compute` on `mesh`; hashable (it lives in the NNX graph definition)."""
+
+    mesh: Mesh
+    capacity_buckets: int = 3
+
+    @property
+    def ep(self) -> int:
+        return axis_size(self.mesh, EP_AXES)
+
+    def __call__(self, experts: Experts, x_TD: jax.Array, sel_Tk: jax.Array, weights_Tk: jax.Array) -> jax.Array:
+        T = x_TD.shape[0]
+        n_shards = self.ep
+        if hasattr(experts, "eplb_replicas"):  # EPLB placement: each choice -> one replica of its expert
+            replicas, count = experts.eplb_replicas[...], experts.eplb_replica_count[...]
+            sel_Tk = replicas[sel_Tk, jnp.arange(T)[:, None] % count[sel_Tk]]
+        T_pad = -(-T // n_shards) * n_shards
+        valid = jnp.arange(T_pad) < T
+        pad = ((0, T_pad - T), (0, 0))
+        x, sel, w = jnp.pad(x_TD, pad), jnp.pad(sel_Tk, pad), jnp.pad(weights_Tk, pad)
+        tok, e_spec = P(EP_AXES, None), P(EP_AXES, MOE_TP_AXES, None)
+        body = functools.partial(_dispatch_compute, ep=n_shards, limit=experts.limit,
+                                 ladder=capacity_ladder(T_pad // n_shards, self.capacity_buckets))
+        y = jax.shard_map(body, mesh=self.mesh,
+                          in_specs=(tok, tok, tok, P(EP_AXES), e_spec, e_spec, P(EP_AXES, None, MOE_TP_AXES)),
+                          out_specs=tok, check_vma=False)(
+            x, sel, w, valid, experts.w1[...], experts.w3[...], experts.w2[...])
+        return y[:T]
+
+
+def expert_counts(sel_Tk: jax.Array, valid_T: jax.Array, n_experts: int) -> jax.Array:
+    """[E] int32: how many of the valid tokens chose each expert."""
+    onehot = jax.nn.one_hot(sel_Tk, n_experts, dtype=jnp.int32) * valid_T[:, None, None]
+    return jnp.sum(onehot, axis=(0, 1))
+
+
+def _slots(sel_Tk: jax.Array, valid_T: jax.Array, n_experts: int) -> jax.Array:
+    """[T, k] int32: each pair's rank among this rank's pairs for its expert (invalid pairs: a large
+    out-of-range slot, dropped by the scatter)."""
+    T, k = sel_Tk.shape
+    onehot = jax.nn.one_hot(sel_Tk.reshape(-1), n_experts, dtype=jnp.int32)
+    pos = jnp.take_along_axis(jnp.cumsum(onehot, axis=0) - 1, sel_Tk.reshape(-1, 1), axis=1).reshape(T, k)
+    return jnp.where(valid_T[:, None], pos, jnp.iinfo(jnp.int32).max)
+
+
+def _dispatch_compute(x_TD, sel_Tk, w_Tk, valid_T, w1_EID, w3_EID, w2_EDI, *, ep: int, limit: float,
+                      ladder: tuple[int, ...]):
+    E = w1_EID.shape[0] * ep
+    pos_Tk = _slots(sel_Tk, valid_T, E)
+    need = jax.lax.pmax(jnp.max(expert_counts(sel_Tk, valid_T, E)), MESH_AXES)
+    bucket = jnp.sum(jnp.asarray(ladder) < need)  # the smallest capacity >= need
+    branches = [functools.partial(_dispatch_at_capacity, C=C, ep=ep, limit=limit) for C in ladder]
+    return jax.lax.switch(bucket, branches, x_TD, sel_Tk, pos_Tk, w_Tk, w1_EID, w3_EID, w2_EDI)
+
+
+def _dispatch_at_capacity(x_TD, sel_Tk, pos_Tk, w_Tk, w1_EID, w3_EID, w2_EDI, *, C: int, ep: int, limit: float):
+    T, D = x_TD.shape
+    k = sel_Tk.shape[1]
+    E_local = w1_EID.shape[0]
+    E = E_local * ep
+    prec = matmul_precision(w1_EID.dtype)
+    x_rows = jnp.broadcast_to(x_TD[:, None, :], (T, k, D))
+    send_ECD = jnp.zeros((E, C, D), x_TD.dtype).at[sel_Tk, pos_Tk].set(x_rows, mode="drop")
+    send_w_EC = jnp.zeros((E, C), jnp.float32).at[sel_Tk, pos_Tk].set(w_Tk, mode="drop")
+    with jax.named_scope("moe_dispatch"):
+        recv_SECD = jax.lax.all_to_all(send_ECD.reshape(ep, E_local, C, D), EP_AXES, 0, 0, tiled=True)
+        recv_w_SEC = jax.lax.all_to_all(send_w_EC.reshape(ep, E_local, C), EP_AXES, 0, 0, tiled=True)
+    with jax.named_scope("moe_experts"):
+        xr = recv_SECD.astype(w1_EID.dtype)
+        gate = jnp.einsum("secd,eid->seci", xr, w1_EID, preferred_element_type=jnp.float32, precision=prec)
+        up = jnp.einsum("secd,eid->seci", xr, w3_EID, preferred_element_type=jnp.float32, precision=prec)
+        h = (swiglu(gate, up, limit) * recv_w_SEC[..., None]).astype(w2_EDI.dtype)
+        out_SECD = jnp.einsum("seci,edi->secd", h, w2_EDI, preferred_element_type=jnp.float32, precision=prec)
+        out_SECD = jax.lax.psum(out_SECD, MOE_TP_AXES)
+    with jax.named_scope("moe_combine"):
+        back_ECD = jax.lax.all_to_all(out_SECD, EP_AXES, 0, 0, tiled=True).reshape(E, C, D)
+        rows_TkD = back_ECD.at[sel_Tk, pos_Tk].get(mode="fill", fill_value=0.0)
+    return jnp.sum(rows_TkD, axis=1)

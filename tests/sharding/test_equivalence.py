@@ -1,0 +1,60 @@
+"""The sharded layouts give the single-device logits (prefill through ShardedModel.logits, decode through
+the runtime's cache on the mesh), on 8 virtual CPU devices in a subprocess (this process may have
+initialised jax with another device count).
+
+Budget: the suite runs tiny's four layouts for prefill and TP4 / DEP8 through the runtime, and small's
+DEP dp=2 x ep=4 prefill; `python -m tests.sharding.equivalence_worker --preset small` runs the rest."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TOL = 1e-5
+
+
+def _worker(*args: str) -> dict:
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-m", "tests.sharding.equivalence_worker", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return _worker("--preset", "tiny", "--layouts", "tp4,dep2x4,dep4x2,dep8x8", "--decode-layouts", "tp4,dep8x8",
+                   "--eplb")
+
+
+@pytest.mark.parametrize("layout", ["tp4", "dep2x4", "dep4x2", "dep8x8"])
+def test_tiny_prefill(tiny, layout):
+    assert tiny[layout]["prefill_max_abs_err"] <= TOL, tiny[layout]
+
+
+@pytest.mark.parametrize("layout", ["tp4", "dep8x8"])
+def test_tiny_decode_with_runtime_cache(tiny, layout):
+    r = tiny[layout]
+    assert r["decode_max_abs_err"] <= TOL, r
+    assert ("dp_ep" in r["cache_spec"]) == layout.startswith("dep")  # KV per dp rank vs replicated under TP
+
+
+def test_small_prefill_dep():
+    """small's logits reach |5|: the float32 summation order of the routed experts alone (the same dispatch
+    on one device vs the dense reference, `--dispatch-reference`) moves them by ~1.4e-5, so the bound is
+    relative to the logits' scale."""
+    out = _worker("--preset", "small", "--layouts", "dep2x4", "--decode-layouts", "none")
+    scale = max(1.0, out["reference"]["max_abs_logit"])
+    assert out["dep2x4"]["prefill_max_abs_err"] <= TOL * scale, out
+
+
+def test_eplb_placements_keep_logits(tiny):
+    """Experts replicated into redundant slots (16 physical for 8 logical on 8 ranks), then migrated to a
+    second placement between calls: the same logits, one compilation."""
+    e = tiny["eplb"]
+    assert e["physical_experts"] == 16 and e["compiles"] == 1, e
+    assert max(e["max_abs_err_per_placement"]) <= TOL, e
