@@ -43,6 +43,9 @@ def parser() -> argparse.ArgumentParser:
     a("--compilation-cache-dir", default=DEFAULT_CACHE, help="persistent XLA cache ('' turns it off)")
     a("--disable-access-log", action="store_true")
     a("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    from sharding.mesh import ParallelConfig
+
+    ParallelConfig.add_arguments(p)
     return p
 
 
@@ -76,9 +79,22 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {e}")
     name = args.served_model_name or src.name
     say(f"model: {src.description}")
+    model, placement = src.model, None
+    if args.tensor_parallel_size * args.data_parallel_size > 1:
+        from sharding.mesh import ParallelConfig
+        from sharding.model import ShardedModel
+        from sharding.runtime import MeshPlacement
+
+        try:
+            pc = ParallelConfig.from_args(args)
+            model = ShardedModel(src.model, pc)
+        except ValueError as e:
+            sys.exit(f"error: {e}")
+        placement = MeshPlacement(model.mesh)
+        say(f"parallel layout: {pc.describe()}")
     say(f"loaded in {time.perf_counter() - t0:.1f}s; precompiling the step buckets "
         f"(cached in {args.compilation_cache_dir or 'memory only'}) ...")
-    engine = Engine(src.model, src.tokenizer, engine_args, model_name=name, progress=True)
+    engine = Engine(model, src.tokenizer, engine_args, model_name=name, progress=True, placement=placement)
     kv = engine.runner.kv_report()
     say(f"KV cache: {engine.blocks.num_blocks} blocks of {args.block_size} tokens, "
         f"{kv['total_bytes'] / 2**20:.1f} MiB; {len(engine.runner.buckets.tokens)} token buckets "

@@ -66,9 +66,10 @@ class EngineArgs:
 
 class Engine:
     def __init__(self, model: dsv41.Model, tokenizer=None, args: EngineArgs = EngineArgs(), *,
-                 model_name: str = "dsv41", progress: bool = True):
+                 model_name: str = "dsv41", progress: bool = True, placement=None):
+        """`model` may be a `sharding.model.ShardedModel` with its `sharding.runtime.MeshPlacement`."""
         self.model, self.tokenizer, self.args = model, tokenizer, args
-        self.runner = Runner(model, args.runtime_config(), progress=progress)
+        self.runner = Runner(model, args.runtime_config(), progress=progress, placement=placement)
         self.runner.precompile()
         layout = self.runner.layout
         self.blocks = BlockManager(layout.num_blocks, layout.block_size, args.enable_prefix_caching)
