@@ -134,14 +134,22 @@ def _combine(y_ND, layout: GroupLayout, T: int, k: int, out_dtype):
 
 
 # ===================================================================================== xla
-def xla(x_TD, ids_TK, weights_TK, w1, w3, w2, *, limit: float, out_dtype=jnp.float32, tile: int = 8):
+def rows_per_tile(n_pairs: int, n_experts: int, lo: int, hi: int) -> int:
+    """The power of two nearest below the mean rows per expert, within [lo, hi]."""
+    per_expert = max(1, n_pairs // n_experts)
+    return min(hi, max(lo, 1 << (per_expert.bit_length() - 1)))
+
+
+def xla(x_TD, ids_TK, weights_TK, w1, w3, w2, *, limit: float, out_dtype=jnp.float32, tile: int | None = None):
     """CPU path: `lax.scan` over row tiles, each multiplying by its expert's (decoded) weights.
 
     XLA:CPU's ragged_dot costs about E dense matmuls (jax-notes §4.3); this costs the rows actually routed
-    plus at most tile - 1 padding rows per expert. Small tiles suit decode batches."""
+    plus at most tile - 1 padding rows per expert. Default tile: 8 rows for decode batches (fewest padding
+    rows), up to 32 when experts get many rows (fewer scan steps; 1.6x faster at 48 rows per expert)."""
     _check(x_TD, ids_TK, weights_TK, w1, w3, w2)
     T, D = x_TD.shape
     k, E = ids_TK.shape[1], w1.shape[0]
+    tile = tile or rows_per_tile(ids_TK.size, E, 8, 32)
     cdt = _compute_dtype(x_TD, w1)
     mm = functools.partial(jnp.einsum, "ti,oi->to", preferred_element_type=jnp.float32, precision=_precision(cdt))
     layout = group_layout(ids_TK, E, tile)
@@ -248,12 +256,6 @@ def _pow2_divisor(n: int, cap: int) -> int:
     return b
 
 
-def default_block_m(n_pairs: int, n_experts: int) -> int:
-    """Rows per tile: 16 (Triton's minimum) for decode batches, up to 64 when experts get many rows."""
-    per_expert = max(1, n_pairs // n_experts)
-    return min(64, max(MIN_DOT, 1 << (per_expert.bit_length() - 1)))
-
-
 def _blocks(name: str, out_dim: int, in_dim: int, fmts: list[_Fmt], block_n: int, block_k: int) -> tuple[int, int]:
     """Power-of-two (rows, input chunk) dividing the weight, whole quantization blocks, Triton-sized."""
     bn, bk = _pow2_divisor(out_dim, block_n), _pow2_divisor(in_dim, block_k)
@@ -270,13 +272,14 @@ def pallas(x_TD, ids_TK, weights_TK, w1, w3, w2, *, limit: float, out_dtype=jnp.
            interpret: bool | None = None):
     """Two Pallas Triton kernels over (row tile, output block): gate/up + SwiGLU -> h [Np, I], then down ->
     y [Np, D]; each program reads its tile's expert id and walks the input dim in `block_k` chunks, decoding
-    quantized weight tiles in registers. Sorting, row gather and the final combine are XLA."""
+    quantized weight tiles in registers. Sorting, row gather and the final combine are XLA. Default
+    block_m: 16 rows (Triton's smallest dot) for decode batches, up to 64 when experts get many rows."""
     _check(x_TD, ids_TK, weights_TK, w1, w3, w2)
     T, D = x_TD.shape
     k, (E, I) = ids_TK.shape[1], w1.shape[:2]
     cdt = _compute_dtype(x_TD, w1)
     prec = _precision(cdt)
-    bm = block_m or default_block_m(ids_TK.size, E)
+    bm = block_m or rows_per_tile(ids_TK.size, E, MIN_DOT, 64)
     if bm < MIN_DOT or bm & (bm - 1):
         raise ValueError(f"block_m {bm} must be a power of two >= {MIN_DOT}")
     f1, f3, f2 = _fmt(w1), _fmt(w3), _fmt(w2)
