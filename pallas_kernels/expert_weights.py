@@ -59,8 +59,9 @@ def quantized_experts(kind: str, values: jax.Array, scales: jax.Array) -> Quanti
 def check_experts(w, name: str, shape: tuple[int, int, int]) -> None:
     """Raise naming `name` unless w is a float [E, O, In] array or a consistent QuantizedExperts of `shape`."""
     if not isinstance(w, QuantizedExperts):
-        if w.shape != shape or not jnp.issubdtype(w.dtype, jnp.floating):
-            raise ValueError(f"{name}: expected float weights of shape {list(shape)}, got {w.dtype} {list(w.shape)}")
+        if w.shape != shape or not jnp.issubdtype(w.dtype, jnp.floating) or jnp.dtype(w.dtype).itemsize < 2:
+            raise ValueError(f"{name}: expected float weights (16 or 32 bit; fp8 goes through quantized_experts) "
+                             f"of shape {list(shape)}, got {w.dtype} {list(w.shape)}")
         return
     if w.kind not in KINDS or w.values.dtype != jnp.uint8 or w.scales.dtype != jnp.uint8:
         raise ValueError(f"{name}: quantized values and scales must be uint8 bytes of a kind in {KINDS} "

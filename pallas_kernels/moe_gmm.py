@@ -268,18 +268,20 @@ def _blocks(name: str, out_dim: int, in_dim: int, fmts: list[_Fmt], block_n: int
 
 
 def pallas(x_TD, ids_TK, weights_TK, w1, w3, w2, *, limit: float, out_dtype=jnp.float32, block_m: int | None = None,
-           block_n: int = 128, block_k: int = 256, num_warps: int = 4, num_stages: int = 2,
+           block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 2,
            interpret: bool | None = None):
     """Two Pallas Triton kernels over (row tile, output block): gate/up + SwiGLU -> h [Np, I], then down ->
     y [Np, D]; each program reads its tile's expert id and walks the input dim in `block_k` chunks, decoding
     quantized weight tiles in registers. Sorting, row gather and the final combine are XLA. Default
-    block_m: 16 rows (Triton's smallest dot) for decode batches, up to 64 when experts get many rows."""
+    block_m: 16 rows (Triton's smallest dot) for decode batches, up to 64 when experts get many rows (at
+    most half the mean rows per expert, so padding stays near a quarter of the rows). block_n x block_k
+    = 64 x 128 keeps two decoded weight tiles within 4 warps' registers (first guesses, not tuned)."""
     _check(x_TD, ids_TK, weights_TK, w1, w3, w2)
     T, D = x_TD.shape
     k, (E, I) = ids_TK.shape[1], w1.shape[:2]
     cdt = _compute_dtype(x_TD, w1)
     prec = _precision(cdt)
-    bm = block_m or rows_per_tile(ids_TK.size, E, MIN_DOT, 64)
+    bm = block_m or rows_per_tile(ids_TK.size // 2, E, MIN_DOT, 64)  # padding ~<= 25% of the rows
     if bm < MIN_DOT or bm & (bm - 1):
         raise ValueError(f"block_m {bm} must be a power of two >= {MIN_DOT}")
     f1, f3, f2 = _fmt(w1), _fmt(w3), _fmt(w2)
