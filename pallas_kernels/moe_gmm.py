@@ -121,7 +121,7 @@ def group_layout(ids_TK: jax.Array, n_experts: int, tile: int) -> GroupLayout:
 
 def _sorted_rows(x_TD, weights_TK, layout: GroupLayout):
     """x rows [Np, D] and combine weights [Np] in expert-sorted order (zeros on padding rows)."""
-    T, k = weights_TK.shape
+    k = weights_TK.shape[1]
     x = jnp.concatenate([x_TD, jnp.zeros((1, x_TD.shape[1]), x_TD.dtype)])
     w = jnp.concatenate([weights_TK.reshape(-1).astype(jnp.float32), jnp.zeros((1,), jnp.float32)])
     return x[layout.row_pair // k], w[layout.row_pair]

@@ -61,6 +61,27 @@ def test_xla_and_pallas_match_reference(kind):
         assert_close(want, alone, msg + " dropped slots")
 
 
+@pytest.mark.parametrize("tile", [1, 4, 16])
+def test_group_layout_places_every_pair_in_a_tile_of_its_expert(tile):
+    rng, msg = fresh_rng()
+    ids = rng.integers(-1, E + 1, (T, 3)).astype(np.int32)  # -1 and E: dropped
+    ids[:4] = 2  # a crowded expert next to empty ones
+    lay = jax.tree.map(np.asarray, moe_gmm.group_layout(jnp.asarray(ids), E, tile))
+    flat = ids.reshape(-1)
+    P, Np = flat.size, lay.row_pair.size
+    assert Np == moe_gmm.padded_rows(P, E, tile) and Np % tile == 0, msg
+    counts = np.bincount(flat[(flat >= 0) & (flat < E)], minlength=E)
+    n_rows = int(np.sum(-(-counts // tile) * tile))
+    assert lay.n_tiles[0] * tile == n_rows <= Np, msg
+    for p in range(P):
+        if 0 <= flat[p] < E:
+            r = lay.pair_row[p]
+            assert r < n_rows and lay.row_pair[r] == p and lay.tile_expert[r // tile] == flat[p], f"{msg} pair {p}"
+        else:
+            assert lay.pair_row[p] == Np, f"{msg} pair {p}"
+    assert np.sum(lay.row_pair < P) == counts.sum(), msg  # every other row is padding
+
+
 def _quantize(kind: str, w_EOI: np.ndarray) -> QuantizedExperts:
     """The checkpoint encoders, expert by expert (MXFP4: I8 + UE8M0 per 32; FP8: e4m3 + UE8M0 per 32 x 32)."""
     if kind == "mxfp4":
@@ -85,7 +106,10 @@ def test_quantized_weights_decoded_in_kernel(kind, dtype):
     msg = f"{msg} {kind} {jnp.dtype(dtype).name}"
     ids, w = routing(rng, "random")
     x = jnp.asarray(rng.standard_normal((T, D)), dtype)
-    qs = [_quantize(kind, np.asarray(a)) for a in float_weights(rng)]
+    # magnitudes varying by 2**-3..2**3 per 32 x 32 block, so neighbouring blocks get different scales
+    factor = lambda E_, O, In: np.repeat(np.repeat(2.0 ** rng.integers(-3, 4, (E_, O // 32, In // 32)), 32, 1), 32, 2)
+    qs = [_quantize(kind, np.asarray(a) * factor(*a.shape) / 4) for a in float_weights(rng)]
+    assert all(len(np.unique(np.asarray(q.scales))) > 3 for q in qs), msg
     deq = [_checkpoint_decode(q) for q in qs]
     for q, d in zip(qs, deq):
         assert_close(reference_dequantize(q), d, msg + " reference decode", rtol=0, atol=0)
@@ -94,7 +118,7 @@ def test_quantized_weights_decoded_in_kernel(kind, dtype):
         tol = dict(rtol=2e-5, atol=2e-5)
     else:  # bf16 activations: same rounding points as the reference, different summation order
         want = moe_gmm.reference(x, ids, w, *qs, limit=LIMIT)
-        tol = dict(rtol=2e-2, atol=2e-2)
+        tol = dict(rtol=5e-3, atol=5e-3)  # (measured <= 3e-7: a bf16 flip of h would cost ~1e-3)
     assert_close(moe_gmm.pallas(x, ids, w, *qs, limit=LIMIT, interpret=True), want, msg + " pallas", **tol)
     assert_close(moe_gmm.xla(x, ids, w, *qs, limit=LIMIT), want, msg + " xla", **tol)
 
