@@ -257,8 +257,10 @@ def _pow2_divisor(n: int, cap: int) -> int:
 
 
 def _blocks(name: str, out_dim: int, in_dim: int, fmts: list[_Fmt], block_n: int, block_k: int) -> tuple[int, int]:
-    """Power-of-two (rows, input chunk) dividing the weight, whole quantization blocks, Triton-sized."""
-    bn, bk = _pow2_divisor(out_dim, block_n), _pow2_divisor(in_dim, block_k)
+    """Power-of-two (rows, input chunk) dividing the weight, whole quantization blocks (grown to a block
+    when it is larger, e.g. FP8 128 x 128), Triton-sized."""
+    bn = _pow2_divisor(out_dim, max([block_n] + [f.block[0] for f in fmts]))
+    bk = _pow2_divisor(in_dim, max([block_k] + [f.block[1] for f in fmts]))
     for f in fmts:
         if bn % f.block[0] or bk % f.block[1]:
             raise ValueError(f"{name}: tile {bn} x {bk} does not hold whole {f.kind} scale blocks {f.block}")

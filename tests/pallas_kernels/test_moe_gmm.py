@@ -169,9 +169,10 @@ def test_bad_inputs_named():
         moe_gmm.routed_experts(x, ids, w, bad, bad, jnp.zeros((E, D, I)), limit=1.0, impl="reference")
 
 
-@pytest.mark.parametrize("kind,T_rows", [("mxfp4", 8), ("mxfp4", 4096), ("fp8", 64)])
-def test_lowers_for_cuda_at_v41_flash_sizes(kind, T_rows):
-    """Both Triton kernels at D, I, E, top-k of the v41-flash preset, MXFP4 / FP8 32 x 32 weights."""
+@pytest.mark.parametrize("kind,fp8_block,T_rows", [("mxfp4", 0, 8), ("mxfp4", 0, 4096), ("fp8", 32, 64), ("fp8", 128, 8)])
+def test_lowers_for_cuda_at_v41_flash_sizes(kind, fp8_block, T_rows):
+    """Both Triton kernels at D, I, E, top-k of the v41-flash preset: MXFP4 weights, or FP8 with 32 x 32
+    (V4.1 linears) / 128 x 128 (V4 linears, larger than the default weight tile) scale blocks."""
     from dsv41.config import ModelConfig
 
     c = ModelConfig.preset("v41-flash")
@@ -182,8 +183,9 @@ def test_lowers_for_cuda_at_v41_flash_sizes(kind, T_rows):
         w13 = QuantizedExperts(u8(Em, Im, Dm // 2), u8(Em, Im, Dm // 32), kind)
         w2 = QuantizedExperts(u8(Em, Dm, Im // 2), u8(Em, Dm, Im // 32), kind)
     else:
-        w13 = QuantizedExperts(u8(Em, Im, Dm), u8(Em, Im // 32, Dm // 32), kind)
-        w2 = QuantizedExperts(u8(Em, Dm, Im), u8(Em, Dm // 32, Im // 32), kind)
+        b = fp8_block
+        w13 = QuantizedExperts(u8(Em, Im, Dm), u8(Em, Im // b, Dm // b), kind)
+        w2 = QuantizedExperts(u8(Em, Dm, Im), u8(Em, Dm // b, Im // b), kind)
     text = lowering.lower_for_cuda(moe_gmm.pallas, S((T_rows, Dm), jnp.bfloat16), S((T_rows, k), jnp.int32),
                                    S((T_rows, k), jnp.float32), w13, w13, w2, limit=c.swiglu_limit, interpret=False)
     assert lowering.count_gpu_kernels(text) == 2
