@@ -6,9 +6,12 @@ Every op module exposes `reference` (plain jnp from the spec), `xla` (the fast p
 """
 
 from pallas_kernels.dispatch import IMPLS, resolve_impl
+from pallas_kernels.expert_weights import QuantizedExperts, quantized_experts
 from pallas_kernels.indexer import IndexMeta, index_topk
 from pallas_kernels.mhc import mhc_post_pre
+from pallas_kernels.moe_gmm import routed_experts
 from pallas_kernels.router import route
 from pallas_kernels.sparse_attention import AttnMeta, sparse_mla
 
-__all__ = ["IMPLS", "resolve_impl", "AttnMeta", "sparse_mla", "route", "IndexMeta", "index_topk", "mhc_post_pre"]
+__all__ = ["IMPLS", "resolve_impl", "AttnMeta", "sparse_mla", "route", "IndexMeta", "index_topk", "mhc_post_pre",
+           "routed_experts", "QuantizedExperts", "quantized_experts"]

@@ -5,11 +5,18 @@ On a GPU (< 5 min): every kernel at V4.1-Flash sizes is checked against a slower
 itself (a copy-bandwidth probe and a bf16 matmul probe), with the predicted time from NOTES.md's byte and
 FLOP counts and the speed-up over the XLA path of the same op (fused Pallas vs XLA). `--smoke` runs tiny
 sizes with the kernels interpreted, so the script stays exercised on CPU. Prints a table, writes JSON.
+
+MoE routed experts: MXFP4 weights decoded in the kernel (fused) against the XLA path, which decodes each
+row tile's expert into a bf16 matrix and then multiplies (unfused); the same kernel on bf16 weights shows
+what the 3.8x larger weights cost. Bytes count the weights of the experts the routing touches. If
+`tokamax` is importable, its `ragged_dot` on the bf16 weights is timed as well (`others`);
+it is optional and not installed on the CPU development machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import time
@@ -19,8 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import indexer, mhc, router
+from pallas_kernels import indexer, mhc, moe_gmm, router
 from pallas_kernels import sparse_attention as sa
+from pallas_kernels.expert_weights import QuantizedExperts, weight_bytes
 
 H200_BYTES_PER_S, H200_FLOPS = 4.8e12, 990e12  # datasheet figures NOTES.md predicts with
 
@@ -33,6 +41,7 @@ class Case(NamedTuple):
     check: Callable  # the oracle the kernel is compared with on the device
     bytes: float
     flops: float
+    others: tuple = ()  # (label, fn) further implementations timed on the same args
 
 
 def _median_seconds(fn: Callable, args: tuple, reps: int) -> float:
@@ -124,6 +133,61 @@ def _mhc_case(rng, *, T, smoke):
                 lambda *a: mhc.reference(*a, eps=1e-20), 2.0 * T * (2 * n * D + 2 * D), 4.0 * T * n * n * D)
 
 
+MOE_LIMIT = 10.0
+
+
+def _moe_weights(key, smoke: bool, kind: str) -> tuple:
+    """Random w1, w3 [E, I, D], w2 [E, D, I]: MXFP4 bytes (any e2m1 code) with the UE8M0 scale that makes
+    each weight's std ~ 1/sqrt(fan-in), or bf16 with that std. Made on the device (7 GB at full size)."""
+    E, D, I = (16, 128, 96) if smoke else (384, 5120, 2304)
+    out = []
+    for i, (O, In) in enumerate(((I, D), (I, D), (D, I))):
+        sub = jax.random.fold_in(key, i)
+        if kind == "bf16":
+            out.append((jax.random.normal(sub, (E, O, In), jnp.float32) / np.sqrt(In)).astype(jnp.bfloat16))
+            continue
+        scale_byte = 127 - int(round(np.log2(2.9 * np.sqrt(In))))  # e2m1 codes have std ~2.9
+        out.append(QuantizedExperts(jax.random.bits(sub, (E, O, In // 2), jnp.uint8),
+                                    jnp.full((E, O, In // 32), scale_byte, jnp.uint8), "mxfp4"))
+    return tuple(out)
+
+
+def _tokamax_experts(tokamax, x, ids, wts, w1_EDI, w3_EDI, w2_EID):
+    """The same routed experts through tokamax.ragged_dot (bf16 weights pre-transposed to [E, in, out])."""
+    T, k = ids.shape
+    E = w1_EDI.shape[0]
+    order = jnp.argsort(ids.reshape(-1), stable=True)
+    sizes = jnp.zeros(E, jnp.int32).at[ids.reshape(-1)].add(1)
+    xs = x.astype(jnp.bfloat16)[order // k]
+    dot = lambda a, w: tokamax.ragged_dot(a, w, sizes, preferred_element_type=jnp.float32)
+    g = jnp.minimum(dot(xs, w1_EDI), MOE_LIMIT)
+    h = g * jax.nn.sigmoid(g) * jnp.clip(dot(xs, w3_EDI), -MOE_LIMIT, MOE_LIMIT) * wts.reshape(-1)[order][:, None]
+    y = dot(h.astype(jnp.bfloat16), w2_EID)
+    return jnp.zeros_like(y).at[order].set(y).reshape(T, k, -1).sum(axis=1)
+
+
+def _moe_case(rng, weights, *, T: int, kind: str, smoke: bool):
+    w1, w3, w2 = weights[kind]
+    E, I, D = w1.shape
+    k = 4 if smoke else 6
+    ids = np.argsort(rng.random((T, E)), axis=1)[:, :k].astype(np.int32)
+    wts = rng.uniform(0.5, 1.0, (T, k))
+    wts = jnp.asarray(wts / wts.sum(1, keepdims=True) * 1.5, jnp.float32)
+    args = (jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16), jnp.asarray(ids), wts, w1, w3, w2)
+    touched = len(np.unique(ids))
+    by = touched * (weight_bytes(w1) + weight_bytes(w3) + weight_bytes(w2)) + T * D * (2 + 4)
+    others = ()
+    if kind == "bf16" and importlib.util.find_spec("tokamax") is not None:
+        import tokamax
+
+        t1, t3, t2 = (jnp.swapaxes(w, 1, 2) for w in (w1, w3, w2))
+        others = (("tokamax_ragged_dot", lambda x, i, w, *_: _tokamax_experts(tokamax, x, i, w, t1, t3, t2)),)
+    kw = dict(limit=MOE_LIMIT)
+    name = f"moe_gmm {kind} " + (f"decode B={T}" if T <= 64 else f"prefill {T} rows")
+    return Case(name, args, lambda *a: moe_gmm.pallas(*a, **kw), lambda *a: moe_gmm.xla(*a, **kw),
+                lambda *a: moe_gmm.xla(*a, **kw), by, 2.0 * T * k * 3 * I * D, others)
+
+
 def cases(smoke: bool, rng) -> list[Case]:
     if smoke:
         return [_attention_case(rng, B=2, ctx=64, prefill_rows=0, smoke=True),
@@ -131,13 +195,18 @@ def cases(smoke: bool, rng) -> list[Case]:
                 _router_case(rng, T=5, smoke=True),
                 _indexer_case(rng, B=2, ctx=64, candidates=False, smoke=True),
                 _indexer_case(rng, B=2, ctx=256, candidates=True, smoke=True),
-                _mhc_case(rng, T=5, smoke=True)]
+                _mhc_case(rng, T=5, smoke=True),
+                _moe_case(rng, {"mxfp4": _moe_weights(jax.random.key(1), True, "mxfp4")}, T=5, kind="mxfp4",
+                          smoke=True)]
     out = [_attention_case(rng, B=B, ctx=ctx, prefill_rows=0, smoke=False) for ctx in (8192, 131072) for B in (1, 8, 64)]
     out.append(_attention_case(rng, B=1, ctx=8192, prefill_rows=4096, smoke=False))
     out += [_router_case(rng, T=T, smoke=False) for T in (1, 8, 64, 4096)]
     out += [_indexer_case(rng, B=B, ctx=ctx, candidates=True, smoke=False) for ctx in (8192, 131072) for B in (1, 8, 64)]
     out += [_indexer_case(rng, B=B, ctx=8192, candidates=False, smoke=False) for B in (1, 64)]
     out += [_mhc_case(rng, T=T, smoke=False) for T in (1, 64, 4096)]
+    weights = {kind: _moe_weights(jax.random.key(1), False, kind) for kind in ("mxfp4", "bf16")}
+    out += [_moe_case(rng, weights, T=T, kind="mxfp4", smoke=False) for T in (1, 8, 64, 4096)]
+    out += [_moe_case(rng, weights, T=T, kind="bf16", smoke=False) for T in (1, 64, 4096)]
     return out
 
 
@@ -157,11 +226,17 @@ def run(smoke: bool, reps: int, seed: int) -> dict:
         t_k = _median_seconds(kern, case.args, reps)
         t_b = _median_seconds(base, case.args, reps)
         predicted = max(case.bytes / H200_BYTES_PER_S, case.flops / H200_FLOPS)
-        rows.append({"kernel": case.name, "max_abs_diff_vs_check": diff, "pallas_s": t_k, "xla_s": t_b,
-                     "xla_over_pallas": t_b / t_k, "bytes": case.bytes, "flops": case.flops,
-                     "gb_per_s": case.bytes / t_k / 1e9, "tflop_per_s": case.flops / t_k / 1e12,
-                     "fraction_of_measured_bw": case.bytes / t_k / ceil["copy_bytes_per_s"],
-                     "predicted_h200_s": predicted})
+        row = {"kernel": case.name, "max_abs_diff_vs_check": diff, "pallas_s": t_k, "xla_s": t_b,
+               "xla_over_pallas": t_b / t_k, "bytes": case.bytes, "flops": case.flops,
+               "gb_per_s": case.bytes / t_k / 1e9, "tflop_per_s": case.flops / t_k / 1e12,
+               "fraction_of_measured_bw": case.bytes / t_k / ceil["copy_bytes_per_s"],
+               "predicted_h200_s": predicted}
+        for label, fn in case.others:  # seconds, or the error of an optional library (reported, not fatal)
+            try:
+                row.setdefault("others", {})[label] = _median_seconds(jax.jit(fn), case.args, reps)
+            except Exception as e:
+                row.setdefault("others", {})[label] = f"{type(e).__name__}: {e}"[:500]
+        rows.append(row)
     return {"device": str(jax.devices()[0]), "backend": jax.default_backend(), "smoke": smoke, "seed": seed,
             "ceilings": ceil, "results": rows}
 
@@ -176,6 +251,9 @@ def print_table(report: dict) -> None:
         print(f"{r['kernel']:42s} {r['pallas_s'] * 1e6:10.1f} {r['xla_s'] * 1e6:10.1f} {r['xla_over_pallas']:8.2f} "
               f"{r['gb_per_s']:8.1f} {100 * r['fraction_of_measured_bw']:5.1f} {r['tflop_per_s']:8.2f} "
               f"{r['predicted_h200_s'] * 1e6:8.1f} {r['max_abs_diff_vs_check']:9.2e}")
+    for r in report["results"]:
+        for label, t in r.get("others", {}).items():
+            print(f"  {r['kernel']}: {label} " + (f"{t * 1e6:.1f} us" if isinstance(t, float) else t))
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -1,0 +1,323 @@
+"""Routed experts of the V4.1 MoE FFN (spec §2.8) as a grouped matmul over expert-sorted rows:
+
+  y[t] = sum_j w[t, j] * W2_e (silu(min(W1_e x_t, L)) * clamp(W3_e x_t, -L, L)),   e = ids[t, j]
+
+Inputs: x_TD [T, D]; ids_TK [T, k] expert ids and weights_TK [T, k] (the router's outputs); w1, w3
+[E, I, D] (gate, up) and w2 [E, D, I] (down) in the model's `Experts` layout, each a float array or a
+`QuantizedExperts` (MXFP4 / FP8 records, see expert_weights). An id outside [0, E) contributes nothing
+(padding tokens; an expert-parallel shard passes ids minus its first expert). Output float32 [T, D] (or
+`out_dtype`).
+
+Numerics follow the model: matmuls in the compute dtype (the float weights' dtype; x's dtype for quantized
+weights, whose decoded values are exact in bf16) with float32 accumulation, SwiGLU in float32, the combine
+weight applied to h before the down projection (h rounded to the compute dtype), the k contributions
+summed in float32.
+
+Grouped layout (xla and pallas): the T*k (token, slot) pairs are ordered by expert with one argsort of T*k
+keys, each expert's group is padded to a multiple of `tile` rows so that every tile belongs to one expert,
+and the static row count is T*k + min(E, T*k) * (tile - 1) rounded up to a tile. Tiles past the last group
+are skipped. Each output row is gathered back from its k rows (no scatter-add over D).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels.dispatch import interpret_default, resolve_impl
+from pallas_kernels.expert_weights import (QuantizedExperts, check_experts, decode_tile, expert_matrix,
+                                           reference_dequantize)
+
+MIN_DOT = 16  # Triton's smallest dot dimension
+
+
+def _check(x_TD, ids_TK, weights_TK, w1, w3, w2):
+    if x_TD.ndim != 2:
+        raise ValueError(f"x_TD: expected [T, D], got {x_TD.shape}")
+    T, D = x_TD.shape
+    if ids_TK.ndim != 2 or ids_TK.shape[0] != T or not jnp.issubdtype(ids_TK.dtype, jnp.integer):
+        raise ValueError(f"ids_TK: expected integer [{T}, k], got {ids_TK.dtype} {ids_TK.shape}")
+    if weights_TK.shape != ids_TK.shape:
+        raise ValueError(f"weights_TK: expected {ids_TK.shape} like ids_TK, got {weights_TK.shape}")
+    if len(w1.shape) != 3:
+        raise ValueError(f"w1: expected [E, I, D], got {w1.shape}")
+    E, I = w1.shape[:2]
+    check_experts(w1, "w1", (E, I, D))
+    check_experts(w3, "w3", (E, I, D))
+    check_experts(w2, "w2", (E, D, I))
+
+
+def _compute_dtype(x_TD, w1) -> jnp.dtype:
+    return jnp.dtype(x_TD.dtype if isinstance(w1, QuantizedExperts) else w1.dtype)
+
+
+def _precision(cdt):
+    return jax.lax.Precision.HIGHEST if cdt == jnp.float32 else None
+
+
+def _swiglu(gate, up, limit: float):
+    """silu(min(gate, limit)) * clamp(up, -limit, limit), float32."""
+    g = jnp.minimum(gate, limit)
+    return g * jax.nn.sigmoid(g) * jnp.clip(up, -limit, limit)
+
+
+# ================================================================================ reference
+def reference(x_TD, ids_TK, weights_TK, w1, w3, w2, *, limit: float, out_dtype=jnp.float32):
+    """Dense over each (token, slot): the selected experts' weights gathered per pair, float32 sums."""
+    _check(x_TD, ids_TK, weights_TK, w1, w3, w2)
+    E = w1.shape[0]
+    cdt = _compute_dtype(x_TD, w1)
+    prec = _precision(cdt)
+    ok = (ids_TK >= 0) & (ids_TK < E)
+    e = jnp.where(ok, ids_TK, 0)
+    W1, W3, W2 = (reference_dequantize(w).astype(cdt) if isinstance(w, QuantizedExperts) else w for w in (w1, w3, w2))
+    x = x_TD.astype(cdt)
+    mm = functools.partial(jnp.einsum, preferred_element_type=jnp.float32, precision=prec)
+    h = _swiglu(mm("td,tkid->tki", x, W1[e]), mm("td,tkid->tki", x, W3[e]), limit)
+    h = (h * jnp.where(ok, weights_TK.astype(jnp.float32), 0.0)[..., None]).astype(cdt)
+    return jnp.sum(mm("tki,tkdi->tkd", h, W2[e]), axis=1).astype(out_dtype)
+
+
+# ============================================================================ group layout
+class GroupLayout(NamedTuple):
+    row_pair: jax.Array  # [Np] pair (t * k + j) on each expert-sorted row; T*k on padding rows
+    pair_row: jax.Array  # [T*k] row of each pair; Np for pairs whose id is outside [0, E)
+    tile_expert: jax.Array  # [Np / tile] expert of each tile (clamped to E - 1 past the last group)
+    n_tiles: jax.Array  # [1] int32: tiles holding rows (a prefix of the tiles)
+
+
+def padded_rows(n_pairs: int, n_experts: int, tile: int) -> int:
+    """Static bound on the expert-sorted rows: every non-empty group wastes at most tile - 1 rows."""
+    n = n_pairs + min(n_experts, n_pairs) * (tile - 1)
+    return -(-n // tile) * tile
+
+
+def group_layout(ids_TK: jax.Array, n_experts: int, tile: int) -> GroupLayout:
+    """Expert-sorted, tile-padded placement of the (token, slot) pairs; one sort of T*k keys."""
+    P, E = ids_TK.size, n_experts
+    Np = padded_rows(P, E, tile)
+    flat = ids_TK.reshape(-1).astype(jnp.int32)
+    key = jnp.where((flat >= 0) & (flat < E), flat, E)
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    sorted_key = key[order]
+    counts = jnp.zeros(E + 1, jnp.int32).at[key].add(1)[:E]
+    padded = (counts + tile - 1) // tile * tile
+    padded_end = jnp.cumsum(padded)
+    padded_start = padded_end - padded
+    start = jnp.cumsum(counts) - counts
+    e = jnp.minimum(sorted_key, E - 1)
+    row = jnp.where(sorted_key < E, padded_start[e] + jnp.arange(P, dtype=jnp.int32) - start[e], Np)
+    row_pair = jnp.full(Np, P, jnp.int32).at[row].set(order, mode="drop", indices_are_sorted=True)
+    pair_row = jnp.zeros(P, jnp.int32).at[order].set(row)
+    tiles = jnp.arange(Np // tile, dtype=jnp.int32) * tile
+    tile_expert = jnp.minimum(jnp.searchsorted(padded_end, tiles, side="right"), E - 1).astype(jnp.int32)
+    return GroupLayout(row_pair, pair_row, tile_expert, (padded_end[-1] // tile).reshape(1))
+
+
+def _sorted_rows(x_TD, weights_TK, layout: GroupLayout):
+    """x rows [Np, D] and combine weights [Np] in expert-sorted order (zeros on padding rows)."""
+    k = weights_TK.shape[1]
+    x = jnp.concatenate([x_TD, jnp.zeros((1, x_TD.shape[1]), x_TD.dtype)])
+    w = jnp.concatenate([weights_TK.reshape(-1).astype(jnp.float32), jnp.zeros((1,), jnp.float32)])
+    return x[layout.row_pair // k], w[layout.row_pair]
+
+
+def _combine(y_ND, layout: GroupLayout, T: int, k: int, out_dtype):
+    """out[t] = sum_j y[row of (t, j)], float32; dropped pairs read an appended zero row."""
+    y = jnp.concatenate([y_ND.astype(jnp.float32), jnp.zeros((1, y_ND.shape[1]), jnp.float32)])
+    return jnp.sum(y[layout.pair_row].reshape(T, k, -1), axis=1).astype(out_dtype)
+
+
+# ===================================================================================== xla
+def rows_per_tile(n_pairs: int, n_experts: int, lo: int, hi: int) -> int:
+    """The power of two nearest below the mean rows per expert, within [lo, hi]."""
+    per_expert = max(1, n_pairs // n_experts)
+    return min(hi, max(lo, 1 << (per_expert.bit_length() - 1)))
+
+
+def xla(x_TD, ids_TK, weights_TK, w1, w3, w2, *, limit: float, out_dtype=jnp.float32, tile: int | None = None):
+    """CPU path: `lax.scan` over row tiles, each multiplying by its expert's (decoded) weights.
+
+    XLA:CPU's ragged_dot costs about E dense matmuls (jax-notes §4.3); this costs the rows actually routed
+    plus at most tile - 1 padding rows per expert. Default tile: 8 rows for decode batches (fewest padding
+    rows), up to 32 when experts get many rows (fewer scan steps; 1.6x faster at 48 rows per expert)."""
+    _check(x_TD, ids_TK, weights_TK, w1, w3, w2)
+    T, D = x_TD.shape
+    k, E = ids_TK.shape[1], w1.shape[0]
+    tile = tile or rows_per_tile(ids_TK.size, E, 8, 32)
+    cdt = _compute_dtype(x_TD, w1)
+    mm = functools.partial(jnp.einsum, "ti,oi->to", preferred_element_type=jnp.float32, precision=_precision(cdt))
+    layout = group_layout(ids_TK, E, tile)
+    xs, rw = _sorted_rows(x_TD.astype(cdt), weights_TK, layout)
+    n_t = xs.shape[0] // tile
+
+    def one_tile(_, inputs):
+        x_t, rw_t, e, i = inputs
+
+        def ffn(_):
+            proj = lambda a, w: mm(a, expert_matrix(w, e).astype(cdt))
+            h = (_swiglu(proj(x_t, w1), proj(x_t, w3), limit) * rw_t[:, None]).astype(cdt)
+            return proj(h, w2)
+
+        return None, jax.lax.cond(i < layout.n_tiles[0], ffn, lambda _: jnp.zeros((tile, D), jnp.float32), None)
+
+    _, y = jax.lax.scan(one_tile, None, (xs.reshape(n_t, tile, D), rw.reshape(n_t, tile), layout.tile_expert,
+                                         jnp.arange(n_t, dtype=jnp.int32)))
+    return _combine(y.reshape(-1, D), layout, T, k, out_dtype)
+
+
+# ================================================================================== pallas
+class _Fmt(NamedTuple):
+    """Static description of one weight operand: kind None = float array (one ref), else values + scales."""
+    kind: str | None
+    block: tuple[int, int]
+
+    @property
+    def n_refs(self) -> int:
+        return 1 if self.kind is None else 2
+
+
+def _fmt(w) -> _Fmt:
+    return _Fmt(w.kind, w.block) if isinstance(w, QuantizedExperts) else _Fmt(None, (1, 1))
+
+
+def _operands(w) -> list:
+    return [w.values, w.scales] if isinstance(w, QuantizedExperts) else [w]
+
+
+def _whole(shape):
+    """BlockSpec of a whole array (Triton: a pointer; only what the kernel indexes is loaded)."""
+    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+
+def _weight_tile(refs, fmt: _Fmt, e, j, c, bn: int, bk: int, cdt):
+    """Expert e's weight tile [bn, bk] at row block j, input chunk c, decoded in registers to `cdt`."""
+    if fmt.kind is None:
+        return refs[0][e, pl.ds(j * bn, bn), pl.ds(c * bk, bk)].astype(cdt)
+    v_ref, s_ref = refs
+    b0, b1 = fmt.block
+    vk = bk // 2 if fmt.kind == "mxfp4" else bk
+    v = v_ref[e, pl.ds(j * bn, bn), pl.ds(c * vk, vk)]
+    s = s_ref[e, pl.ds(j * (bn // b0), bn // b0), pl.ds(c * (bk // b1), bk // b1)]
+    return decode_tile(fmt.kind, v, s, fmt.block).astype(cdt)
+
+
+def _tile_dot(a, w, prec):
+    """a [m, bk] @ w [bn, bk]^T, float32 accumulation."""
+    return jax.lax.dot_general(a, w, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
+
+
+def _gate_up_kernel(tile_expert_ref, n_tiles_ref, x_ref, rw_ref, *refs, fmt1, fmt3, bn, bk, limit, prec):
+    """h[rows of tile i, block j] = swiglu(x W1_e^T, x W3_e^T) * w_row, e the tile's expert."""
+    w1_refs, w3_refs, h_ref = refs[:fmt1.n_refs], refs[fmt1.n_refs:-1], refs[-1]
+    i, j = pl.program_id(0), pl.program_id(1)
+
+    @pl.when(i < n_tiles_ref[0])
+    def _():
+        e = tile_expert_ref[i]
+        cdt = h_ref.dtype
+
+        def chunk(c, acc):
+            xc = x_ref[:, pl.ds(c * bk, bk)]
+            return (acc[0] + _tile_dot(xc, _weight_tile(w1_refs, fmt1, e, j, c, bn, bk, cdt), prec),
+                    acc[1] + _tile_dot(xc, _weight_tile(w3_refs, fmt3, e, j, c, bn, bk, cdt), prec))
+
+        zero = jnp.zeros((x_ref.shape[0], bn), jnp.float32)
+        gate, up = jax.lax.fori_loop(0, x_ref.shape[1] // bk, chunk, (zero, zero))
+        h_ref[...] = (_swiglu(gate, up, limit) * rw_ref[...][:, None]).astype(cdt)
+
+
+def _down_kernel(tile_expert_ref, n_tiles_ref, h_ref, *refs, fmt2, bn, bk, prec):
+    """y[rows of tile i, block j] = h W2_e^T, float32."""
+    w2_refs, y_ref = refs[:-1], refs[-1]
+    i, j = pl.program_id(0), pl.program_id(1)
+
+    @pl.when(i < n_tiles_ref[0])
+    def _():
+        e = tile_expert_ref[i]
+
+        def chunk(c, acc):
+            return acc + _tile_dot(h_ref[:, pl.ds(c * bk, bk)],
+                                   _weight_tile(w2_refs, fmt2, e, j, c, bn, bk, h_ref.dtype), prec)
+
+        y_ref[...] = jax.lax.fori_loop(0, h_ref.shape[1] // bk, chunk,
+                                       jnp.zeros((h_ref.shape[0], bn), jnp.float32))
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    b = 1
+    while b * 2 <= cap and n % (b * 2) == 0:
+        b *= 2
+    return b
+
+
+def _blocks(name: str, out_dim: int, in_dim: int, fmts: list[_Fmt], block_n: int, block_k: int) -> tuple[int, int]:
+    """Power-of-two (rows, input chunk) dividing the weight, whole quantization blocks (grown to a block
+    when it is larger, e.g. FP8 128 x 128), Triton-sized."""
+    bn = _pow2_divisor(out_dim, max([block_n] + [f.block[0] for f in fmts]))
+    bk = _pow2_divisor(in_dim, max([block_k] + [f.block[1] for f in fmts]))
+    for f in fmts:
+        if bn % f.block[0] or bk % f.block[1]:
+            raise ValueError(f"{name}: tile {bn} x {bk} does not hold whole {f.kind} scale blocks {f.block}")
+    if min(bn, bk) < MIN_DOT:
+        raise ValueError(f"{name}: dims [{out_dim}, {in_dim}] allow only a {bn} x {bk} tile (Triton needs >= 16)")
+    return bn, bk
+
+
+def pallas(x_TD, ids_TK, weights_TK, w1, w3, w2, *, limit: float, out_dtype=jnp.float32, block_m: int | None = None,
+           block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 2,
+           interpret: bool | None = None):
+    """Two Pallas Triton kernels over (row tile, output block): gate/up + SwiGLU -> h [Np, I], then down ->
+    y [Np, D]; each program reads its tile's expert id and walks the input dim in `block_k` chunks, decoding
+    quantized weight tiles in registers. Sorting, row gather and the final combine are XLA. Default
+    block_m: 16 rows (Triton's smallest dot) for decode batches, up to 64 when experts get many rows (at
+    most half the mean rows per expert, so padding stays near a quarter of the rows). block_n x block_k
+    = 64 x 128 keeps two decoded weight tiles within 4 warps' registers (first guesses, not tuned)."""
+    _check(x_TD, ids_TK, weights_TK, w1, w3, w2)
+    T, D = x_TD.shape
+    k, (E, I) = ids_TK.shape[1], w1.shape[:2]
+    cdt = _compute_dtype(x_TD, w1)
+    prec = _precision(cdt)
+    bm = block_m or rows_per_tile(ids_TK.size // 2, E, MIN_DOT, 64)  # padding ~<= 25% of the rows
+    if bm < MIN_DOT or bm & (bm - 1):
+        raise ValueError(f"block_m {bm} must be a power of two >= {MIN_DOT}")
+    f1, f3, f2 = _fmt(w1), _fmt(w3), _fmt(w2)
+    bn1, bk1 = _blocks("w1/w3", I, D, [f1, f3], block_n, block_k)
+    bn2, bk2 = _blocks("w2", D, I, [f2], block_n, block_k)
+    interpret = interpret_default() if interpret is None else interpret
+    params = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+    layout = group_layout(ids_TK, E, bm)
+    xs, rw = _sorted_rows(x_TD.astype(cdt), weights_TK, layout)
+    Np = xs.shape[0]
+    meta = [layout.tile_expert, layout.n_tiles]
+    meta_specs = [_whole(a.shape) for a in meta]
+    w13 = _operands(w1) + _operands(w3)
+    h = pl.pallas_call(
+        functools.partial(_gate_up_kernel, fmt1=f1, fmt3=f3, bn=bn1, bk=bk1, limit=limit, prec=prec),
+        grid=(Np // bm, I // bn1), out_shape=jax.ShapeDtypeStruct((Np, I), cdt),
+        in_specs=meta_specs + [pl.BlockSpec((bm, D), lambda i, j: (i, 0)), pl.BlockSpec((bm,), lambda i, j: (i,))]
+        + [_whole(a.shape) for a in w13],
+        out_specs=pl.BlockSpec((bm, bn1), lambda i, j: (i, j)),
+        interpret=interpret, name="moe_gate_up", compiler_params=params)(*meta, xs, rw, *w13)
+    w2_ops = _operands(w2)
+    y = pl.pallas_call(
+        functools.partial(_down_kernel, fmt2=f2, bn=bn2, bk=bk2, prec=prec),
+        grid=(Np // bm, D // bn2), out_shape=jax.ShapeDtypeStruct((Np, D), jnp.float32),
+        in_specs=meta_specs + [pl.BlockSpec((bm, I), lambda i, j: (i, 0))] + [_whole(a.shape) for a in w2_ops],
+        out_specs=pl.BlockSpec((bm, bn2), lambda i, j: (i, j)),
+        interpret=interpret, name="moe_down", compiler_params=params)(*meta, h, *w2_ops)
+    return _combine(y, layout, T, k, out_dtype)
+
+
+# ================================================================================ dispatch
+def routed_experts(x_TD, ids_TK, weights_TK, w1, w3, w2, *, limit: float, out_dtype=jnp.float32,
+                   impl: str = "auto"):
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x_t) [T, D] through the chosen implementation."""
+    fn = {"reference": reference, "xla": xla, "pallas": pallas}[resolve_impl(impl)]
+    return fn(x_TD, ids_TK, weights_TK, w1, w3, w2, limit=limit, out_dtype=out_dtype)
