@@ -2,9 +2,9 @@
 routed_scaling_factor, clamped SwiGLU experts, one shared expert. V4 compat: hash-routed layers take
 their experts from `tid2eid[token]` (weights still from the scores).
 
-The reference forward evaluates every expert densely and combines with a [T, E] weight matrix that is
-zero off the selected experts: exact for a model checker, not a serving path (the grouped-matmul kernels
-of `pallas_kernels` are).
+The routed experts run as a grouped matmul over the (token, choice) pairs sorted by expert
+(`pallas_kernels.moe_gmm`: a scan-tiled XLA path on CPU, a Pallas kernel on GPU), so a token costs its k
+experts, not all E.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from flax import nnx
 
 from dsv41.layers.basic import Linear, matmul_precision
 from pallas_kernels import resolve_impl
+from pallas_kernels.moe_gmm import routed_experts
 from pallas_kernels.router import route
 
 
@@ -58,11 +59,11 @@ class Router(nnx.Module):
 
 
 def set_kernel_impl(module: nnx.Module, impl: str) -> None:
-    """Route every bias-routed Router under `module` through `impl` ("auto" | "reference" | "xla" | "pallas");
+    """Run every Router and Experts under `module` through `impl` ("auto" | "reference" | "xla" | "pallas");
     takes effect for graphdefs split after the call."""
     resolve_impl(impl)  # refuse unknown names here, not at trace time
     for _, m in nnx.iter_modules(module):
-        if isinstance(m, Router):
+        if isinstance(m, (Router, Experts)):
             m.kernel_impl = impl
 
 
@@ -71,18 +72,15 @@ class Experts(nnx.Module):
 
     def __init__(self, n_experts: int, dim: int, inter: int, limit: float, *, dtype: jnp.dtype):
         self.limit = limit
+        self.kernel_impl = "auto"
         self.w1 = nnx.Param(jnp.zeros((n_experts, inter, dim), dtype))
         self.w3 = nnx.Param(jnp.zeros((n_experts, inter, dim), dtype))
         self.w2 = nnx.Param(jnp.zeros((n_experts, dim, inter), dtype))
 
-    def __call__(self, x_TD: jax.Array, combine_TE: jax.Array) -> jax.Array:
-        w1, w3, w2 = self.w1[...], self.w3[...], self.w2[...]
-        prec = matmul_precision(w1.dtype)
-        x = x_TD.astype(w1.dtype)
-        gate = jnp.einsum("td,eid->tei", x, w1, preferred_element_type=jnp.float32, precision=prec)
-        up = jnp.einsum("td,eid->tei", x, w3, preferred_element_type=jnp.float32, precision=prec)
-        h = (swiglu(gate, up, self.limit) * combine_TE[..., None]).astype(w2.dtype)
-        return jnp.einsum("tei,edi->td", h, w2, preferred_element_type=jnp.float32, precision=prec)
+    def __call__(self, x_TD: jax.Array, ids_TK: jax.Array, weights_TK: jax.Array) -> jax.Array:
+        """sum_j weights[t, j] * expert_{ids[t, j]}(x_t), float32 [T, D]."""
+        return routed_experts(x_TD, ids_TK, weights_TK, self.w1[...], self.w3[...], self.w2[...], limit=self.limit,
+                              impl=self.kernel_impl)
 
 
 class SharedExpert(nnx.Module):
@@ -115,6 +113,5 @@ class MoE(nnx.Module):
         if self.routed_compute is not None:
             routed = self.routed_compute(self.experts, x_TD, sel, weights)
         else:
-            combine = jnp.sum(jax.nn.one_hot(sel, self.n_experts, dtype=jnp.float32) * weights[..., None], axis=1)
-            routed = self.experts(x_TD, combine)
+            routed = self.experts(x_TD, sel, weights)
         return (routed + self.shared_experts(x_TD)).astype(x_TD.dtype)

@@ -123,17 +123,24 @@ def test_quantized_weights_decoded_in_kernel(kind, dtype):
     assert_close(moe_gmm.xla(x, ids, w, *qs, limit=LIMIT), want, msg + " xla", **tol)
 
 
-def test_reference_agrees_with_model_experts():
-    from dsv41.layers.moe import Experts
+def test_reference_and_model_experts_agree_with_every_expert_dense():
+    """The oracle: every expert evaluated on every token, combined by a [T, E] matrix zero off the chosen
+    experts (the model's swiglu with its clamp); the model's `Experts` (which now calls the dispatch) too."""
+    from dsv41.layers.moe import Experts, swiglu
 
     rng, msg = fresh_rng()
     ids, w = routing(rng, "duplicates")
     x = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
     w1, w3, w2 = float_weights(rng)
+    combine_TE = jnp.sum(jax.nn.one_hot(ids, E, dtype=jnp.float32) * w[..., None], axis=1)
+    hp = jax.lax.Precision.HIGHEST
+    gate = jnp.einsum("td,eid->tei", x, w1, precision=hp)
+    up = jnp.einsum("td,eid->tei", x, w3, precision=hp)
+    dense = jnp.einsum("tei,edi->td", swiglu(gate, up, LIMIT) * combine_TE[..., None], w2, precision=hp)
+    assert_close(moe_gmm.reference(x, ids, w, w1, w3, w2, limit=LIMIT), dense, msg)
     m = Experts(E, D, I, LIMIT, dtype=jnp.float32)
     m.w1[...], m.w3[...], m.w2[...] = w1, w3, w2
-    combine_TE = jnp.sum(jax.nn.one_hot(ids, E, dtype=jnp.float32) * w[..., None], axis=1)
-    assert_close(moe_gmm.reference(x, ids, w, w1, w3, w2, limit=LIMIT), m(x, combine_TE), msg)
+    assert_close(m(x, ids, w), dense, msg + " model Experts")
 
 
 def test_xla_hlo_has_no_large_sort_and_no_ragged_dot():
