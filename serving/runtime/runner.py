@@ -131,9 +131,10 @@ class Runner:
             with jax.named_scope("segment2"):
                 return segments.segment2(merge(leaves), self.layout, cache, carry_buf, b, **kw)
 
-        out_sh = (cache_sh, placement.replicated) if placement else None  # the cache keeps its layout across steps
-        self._fns = {"seg1": jax.jit(seg1, donate_argnums=(1, 2), out_shardings=out_sh),
-                     "seg2": jax.jit(seg2, donate_argnums=1, out_shardings=out_sh),
+        # The cache keeps its layout across steps; everything else a segment returns is replicated.
+        rep = placement.replicated if placement else None
+        self._fns = {"seg1": jax.jit(seg1, donate_argnums=(1, 2), out_shardings=(cache_sh, rep) if rep else None),
+                     "seg2": jax.jit(seg2, donate_argnums=1, out_shardings=(cache_sh, rep, rep) if rep else None),
                      "sample": jax.jit(functools.partial(sample, max_top_k=rc.max_top_k))}
         # Segment 1 leaves its rows in a persistent buffer of the largest bucket, which segment 2 reads: the
         # kept-row gather then lives in segment 2 and no function is compiled per (tokens, kept rows) pair.
