@@ -130,5 +130,5 @@ def test_offline_llm_matches_the_engine(engine, model, args):
     assert res[1].prompt_token_ids[0] == 0 and len(res[1].outputs[0].token_ids) == 6  # BOS + the text's bytes
     many = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=1.0, seed=4, n=3, max_tokens=5))
     assert [c.index for c in many[0].outputs] == [0, 1, 2] and len({tuple(c.token_ids) for c in many[0].outputs}) > 1
-    chat = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=3, temperature=0))
-    assert chat[0].prompt_token_ids[0] == 0 and chat[0].outputs[0].finish_reason in ("length", "stop")
+    with pytest.raises(ValueError, match="maximum context length is 96"):  # a V4.1 chat prompt is ~100 tokens
+        llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=3))
