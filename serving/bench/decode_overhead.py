@@ -86,7 +86,9 @@ def served(args) -> dict:
                     break
             except httpx.HTTPError:
                 time.sleep(0.5)
-        vocab = 500 if args.model in (None, "tiny") else 30000
+        import dsv41
+
+        vocab = dsv41.load_config(args.model or "tiny").vocab_size
         prompts = [[int(t) for t in np.random.default_rng(1000 + i).integers(3, vocab, args.context)]
                    for i in range(args.batch)]
 
