@@ -34,7 +34,9 @@ class Block(nnx.Module):
                  engram_rows: int = 0, engram_fp8: bool = False):
         D, n = c.hidden_size, c.hc_mult
         self.role = role
-        self.kernel_impl = "auto"  # the fused mHC post + collapse + norm (static; see `set_kernel_impl`)
+        # Fused ops of the block: mHC post + collapse + norm, and in the runtime the sparse attention kernel
+        # (static; see `set_kernel_impl`).
+        self.kernel_impl = "auto"
         self.attn_norm = RMSNorm(D, c.rms_norm_eps, dtype=dtype)
         self.ffn_norm = RMSNorm(D, c.rms_norm_eps, dtype=dtype)
         self.attn = Attention(c, role, dtype=dtype)

@@ -1,7 +1,8 @@
-"""The model's fused ops (router, routed experts, mHC post + delayed-pre collapse + norm) through
-pallas_kernels: switching the implementation changes the tiny model's logits - full-sequence and through
-the serving runtime's segments - by no more than float32 rounding, and the fused mHC kernel is in the
-traced program exactly where the model runs that sequence, and only under impl="pallas"."""
+"""The model's fused ops (router, routed experts, mHC post + delayed-pre collapse + norm; in the runtime
+also the sparse attention) through pallas_kernels: switching the implementation changes the tiny model's
+logits - full-sequence and through the serving runtime's segments - by no more than float32 rounding, and
+the fused mHC kernel is in the traced program exactly where the model runs that sequence, and only under
+impl="pallas"."""
 
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ from tests.pallas_kernels.util import fresh_rng
 from tests.serving.driver import Driver
 
 TOL = dict(rtol=1e-4, atol=1e-4)
-# One bucket of 8 rows for both segments: a prefill in chunks of 8 and decode steps compile two functions.
-RC = dict(max_num_seqs=1, max_num_batched_tokens=8, max_model_len=64, block_size=8, token_buckets=(8,))
+# A 13-row prefill in the 16-row bucket (window 8: decoder replay trims it to 8 rows after the cut) and
+# decode steps in the 1-row bucket (the split-key decode form of the attention kernel).
+RC = dict(max_num_seqs=1, max_num_batched_tokens=16, max_model_len=64, block_size=8, token_buckets=(1, 16))
+KEYS = [(seg, T) for seg in ("seg1", "seg2") for T in RC["token_buckets"]]
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +32,12 @@ def tiny():
     return dsv41.random_model("tiny", seed=3)
 
 
-def fused_mhc_calls(closed_jaxpr) -> int:
-    """Number of mhc_post_pre pallas_calls in a traced program, nested jaxprs included."""
+def pallas_calls(closed_jaxpr, name: str) -> int:
+    """Number of pallas_calls of kernel `name` in a traced program, nested jaxprs included."""
     def walk(jaxpr) -> int:
         n = 0
         for eqn in jaxpr.eqns:
-            n += eqn.primitive.name == "pallas_call" and eqn.params.get("name") == "mhc_post_pre"
+            n += eqn.primitive.name == "pallas_call" and eqn.params.get("name") == name
             for sub in jaxprs_in_params(eqn.params):
                 n += walk(sub)
         return n
@@ -73,16 +76,16 @@ def test_fused_mhc_only_under_pallas(tiny, impl):
         set_kernel_impl(tiny.module, "auto")
     sites = expected_fused_sites(tiny.module.layers)
     assert sites > len(tiny.module.layers)  # both the FFN and the attention sites are fused
-    assert fused_mhc_calls(jaxpr) == (sites if impl == "pallas" else 0)
+    assert pallas_calls(jaxpr, "mhc_post_pre") == (sites if impl == "pallas" else 0)
 
 
 def _served(model, impl: str, prompt: list[int], decode: int) -> tuple[np.ndarray, Runner]:
-    """Logits of the last row of each step: the prompt in chunks of 8, then greedy decode steps."""
+    """Logits of the last row of each step: the prompt in one chunk, then greedy decode steps."""
     r = Runner(model, RuntimeConfig(**RC, kernel_impl=impl), progress=False)
-    r.precompile()
+    r.precompile(KEYS)
     d = Driver(r)
     d.start("a", prompt)
-    out = [d.step({"a": 8})["a"] for _ in range(-(-len(prompt) // 8))]
+    out = [d.step({"a": len(prompt)})["a"]]
     for _ in range(decode):
         d.append("a", int(np.argmax(out[-1])))
         out.append(d.step({"a": 1})["a"])
@@ -100,11 +103,13 @@ def test_runtime_logits_agree_across_impls_and_segments_hold_the_kernel(tiny):
     finally:
         set_kernel_impl(tiny.module, "auto")
     np.testing.assert_allclose(got, ref, **TOL, err_msg=msg)
-    b1, b2 = runner._example(8, 8)
+    b1, b2 = runner._example(16, 16)
     args = (runner._leaves, runner.cache, runner.carry_buf)
-    in_segments = (fused_mhc_calls(jax.make_jaxpr(runner._fns["seg1"])(*args, b1))
-                   + fused_mhc_calls(jax.make_jaxpr(runner._fns["seg2"])(*args, b2)))
-    assert in_segments == expected_fused_sites(tiny.module.layers)  # the segments split the model's sites
+    seg1, seg2 = (jax.make_jaxpr(runner._fns[f])(*args, b) for f, b in (("seg1", b1), ("seg2", b2)))
+    mhc_calls = pallas_calls(seg1, "mhc_post_pre") + pallas_calls(seg2, "mhc_post_pre")
+    assert mhc_calls == expected_fused_sites(tiny.module.layers)  # the segments split the model's sites
+    # The attention kernel runs in every layer but the cut layer's second half (its gathered band).
+    assert pallas_calls(seg1, "sparse_mla") + pallas_calls(seg2, "sparse_mla") == len(tiny.module.layers) - 1
 
 
 def test_unknown_impl_refused(tiny):
