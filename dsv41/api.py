@@ -19,6 +19,7 @@ from dsv41 import checkpoint, converted
 from dsv41.config import ModelConfig, load_config
 from dsv41.init import random_params
 from dsv41.layers.engram import EngramLayout, build_compressed_token_map
+from dsv41.layers.moe import set_kernel_impl
 from dsv41.model import Transformer, forward, published_rows
 from dsv41.safetensors_io import CheckpointError, open_checkpoint
 
@@ -65,11 +66,8 @@ class Model:
         self.params = {p: jnp.asarray(params[p]) for p in abstract}
         state = nnx.from_flat_state([(p, nnx.Param(v)) for p, v in self.params.items()])
         self.module = nnx.merge(graphdef, state)
-        leaves, treedef = jax.tree.flatten(nnx.split(self.module)[1])
-        self._leaves = leaves
-        self._fn = jax.jit(functools.partial(_forward_leaves, graphdef, treedef), static_argnames=("fake_quant",))
-        self._published = jax.jit(functools.partial(_published_leaves, graphdef, treedef),
-                                  static_argnames=("fake_quant",))
+        self._leaves, self._treedef = jax.tree.flatten(nnx.split(self.module)[1])
+        self._jit(graphdef)
         self.engram = EngramLayout.from_config(config) if config.engram_layer_ids else None
         if self.engram is not None:
             if token_map is None:
@@ -82,6 +80,17 @@ class Model:
             self.token_map = np.asarray(token_map, np.int64)
         else:
             self.token_map = None
+
+    def _jit(self, graphdef) -> None:
+        self._fn = jax.jit(functools.partial(_forward_leaves, graphdef, self._treedef), static_argnames=("fake_quant",))
+        self._published = jax.jit(functools.partial(_published_leaves, graphdef, self._treedef),
+                                  static_argnames=("fake_quant",))
+
+    def set_kernel_impl(self, impl: str) -> None:
+        """Run `logits`, `masked_logits` and `published_rows` with the fused ops (`pallas_kernels`) of `impl`:
+        "auto" (the default: Pallas on a GPU, XLA elsewhere) | "reference" | "xla" | "pallas"."""
+        set_kernel_impl(self.module, impl)
+        self._jit(nnx.split(self.module)[0])
 
     def save_converted(self, folder: str | Path) -> None:
         """Save the loaded parameters with Orbax; `load(folder)` then restores them without dequantizing."""

@@ -5,6 +5,11 @@ its input streams but collapses them with the previous sublayer's pre-mix (ident
 first), and a block's FFN output is only merged into the streams at the start of the next block, where
 Engram is injected before the coefficients. V4 (delayed_pre=False) collapses with its own pre-mix.
 The attention itself is a callback so the backbone (CED sharing) and DSpark (context rows) plug in.
+
+Where V4.1 merges a sublayer output, collapses with the delayed pre-mix and normalises the next sublayer's
+input (before the FFN; before the next block's attention unless Engram sits in between), the three run as
+one `pallas_kernels.mhc_post_pre` call under the block's static `kernel_impl` (see `set_kernel_impl`);
+"reference" is op for op the unfused code.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dsv41.layers.basic import RMSNorm
 from dsv41.layers.engram import Engram
 from dsv41.layers.mhc import HcMix, HyperConnection, hc_collapse, hc_post
 from dsv41.layers.moe import MoE
+from pallas_kernels.mhc import mhc_post_pre
 
 
 class Block(nnx.Module):
@@ -28,6 +34,9 @@ class Block(nnx.Module):
                  engram_rows: int = 0, engram_fp8: bool = False):
         D, n = c.hidden_size, c.hc_mult
         self.role = role
+        # Fused ops of the block: mHC post + collapse + norm, and in the runtime the sparse attention kernel
+        # (static; see `set_kernel_impl`).
+        self.kernel_impl = "auto"
         self.attn_norm = RMSNorm(D, c.rms_norm_eps, dtype=dtype)
         self.ffn_norm = RMSNorm(D, c.rms_norm_eps, dtype=dtype)
         self.attn = Attention(c, role, dtype=dtype)
@@ -56,6 +65,10 @@ def attention_input(block: Block, c: ModelConfig, s: Streams, engram_hashes: jax
                     ) -> tuple[jax.Array, HcMix, jax.Array]:
     """Merge the pending FFN output, inject Engram, compute the attention mixes and collapse:
     (streams R [T, n, D], attention mix, normed attention input x [T, D])."""
+    if c.delayed_pre and s.pending is not None and block.engram is None:
+        mix_ffn, y = s.pending
+        R, x = _post_collapse_norm(block, block.attn_norm, s.R, mix_ffn, y, s.pre)
+        return R, block.hc_attn(R), x
     R = s.R if s.pending is None else hc_post(s.R, *s.pending)
     if block.engram is not None:
         if engram_hashes is None:
@@ -72,15 +85,26 @@ def attention_input(block: Block, c: ModelConfig, s: Streams, engram_hashes: jax
 def ffn_and_output(block: Block, c: ModelConfig, R: jax.Array, mix: HcMix, y: jax.Array, ids_T: jax.Array
                    ) -> Streams:
     """Write the attention output into the streams, run the FFN sublayer, return the next Streams."""
-    R = hc_post(R, mix, y)
-    pre = mix.pre
-    mix = block.hc_ffn(R)
-    u = hc_collapse(R, pre if c.delayed_pre else mix.pre)
+    if c.delayed_pre:
+        R, x = _post_collapse_norm(block, block.ffn_norm, R, mix, y, mix.pre)
+        mix = block.hc_ffn(R)
+    else:
+        R = hc_post(R, mix, y)
+        mix = block.hc_ffn(R)
+        x = block.ffn_norm(hc_collapse(R, mix.pre))
     with jax.named_scope("moe"):
-        y = block.ffn(block.ffn_norm(u), ids_T)
+        y = block.ffn(x, ids_T)
     if c.delayed_pre:
         return Streams(R, mix.pre, (mix, y))
     return Streams(hc_post(R, mix, y), mix.pre, None)
+
+
+def _post_collapse_norm(block: Block, norm: RMSNorm, R_TnD: jax.Array, mix: HcMix, y_TD: jax.Array,
+                        pre_Tn: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """V4.1: (streams after writing y with `mix` [T, n, D], norm(collapse with the delayed pre_Tn) [T, D])."""
+    with jax.named_scope("mhc_post_pre"):
+        return mhc_post_pre(R_TnD, y_TD, mix.post, mix.comb, pre_Tn, norm.weight[...], eps=norm.eps,
+                            impl=block.kernel_impl)
 
 
 def final_streams(s: Streams) -> tuple[jax.Array, jax.Array]:

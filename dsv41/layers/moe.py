@@ -59,11 +59,12 @@ class Router(nnx.Module):
 
 
 def set_kernel_impl(module: nnx.Module, impl: str) -> None:
-    """Run every Router and Experts under `module` through `impl` ("auto" | "reference" | "xla" | "pallas");
-    takes effect for graphdefs split after the call."""
+    """Run every fused op under `module` through `impl` ("auto" | "reference" | "xla" | "pallas"): each module
+    declaring a static `kernel_impl` (Router, Experts, and Block for the mHC post + collapse + norm); takes
+    effect for graphdefs split after the call."""
     resolve_impl(impl)  # refuse unknown names here, not at trace time
     for _, m in nnx.iter_modules(module):
-        if isinstance(m, (Router, Experts)):
+        if hasattr(m, "kernel_impl"):
             m.kernel_impl = impl
 
 

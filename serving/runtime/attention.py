@@ -7,6 +7,7 @@ Per tile (up to `tile` consecutive query rows of one request) the keys are:
 A row is visible if it lies in the query's window [p - W + 1, p], at or above the request's floor
 (encoder replay: replay_start; decoder replay: max(replay_start, seq_len - W) after the cut).
 The softmax includes the per-head sink logit. Tiles are mapped in groups so memory stays bounded.
+`fused_attention` runs the same through the Pallas kernel `pallas_kernels.sparse_mla`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv41.layers.attention import sink_softmax
+from pallas_kernels.sparse_attention import AttnMeta, sparse_mla
 from serving.runtime import kv_cache
 from serving.runtime.kv_cache import CacheLayout
 
@@ -111,6 +113,24 @@ def attention(layout: CacheLayout, tiles: Tiles, q_THd: jax.Array, pos_T: jax.Ar
     dest = tiles.first[:, None] + jnp.arange(tiles.size)
     dest = jnp.where(jnp.arange(tiles.size)[None] < tiles.n[:, None], dest, T)  # padding rows -> dropped
     return jnp.zeros((T, H, d), jnp.float32).at[dest.reshape(-1)].set(o.reshape(-1, H, d), mode="drop")
+
+
+def fused_attention(layout: CacheLayout, tiles: Tiles, q_THd: jax.Array, pos_T: jax.Array, req_T: jax.Array,
+                    kv_Td: jax.Array, ring_cache: jax.Array, sink_H: jax.Array, *, rows_cache: jax.Array | None = None,
+                    topk_Tk: jax.Array | None = None, impl: str = "pallas") -> jax.Array:
+    """`attention` through the fused kernel, [T, H, d] float32 before the inverse RoPE (like `attention`).
+
+    The kernel takes a query's in-step SWA rows from kv_Td at its own flat row minus the position offset,
+    so each request's rows must be contiguous from `req_start` in q's layout: true in segment 1 and, after
+    the cut, in segment 2 (rows trimmed there lie below the decoder floor, masked); not for the cut layer
+    in segment 2, whose kept rows read trimmed rows (its gathered band). q and kv are RoPE'd already and
+    `Attention.output` inverts the RoPE, so the kernel's own rotations run with identity angles. Buckets of
+    at most one row per request use the split-key decode form."""
+    T = q_THd.shape[0]
+    meta = AttnMeta(pos_T, req_T, tiles.req_slot, tiles.req_start, tiles.floor, tiles.block_table)
+    identity = jnp.ones((T, 1), jnp.float32), jnp.zeros((T, 1), jnp.float32)
+    return sparse_mla(q_THd, *identity, sink_H, kv_Td, ring_cache, meta, rows_cache, topk_Tk,
+                      decode=T <= tiles.req_slot.shape[0], impl=impl)
 
 
 def write_ring(layout: CacheLayout, ring_cache: jax.Array, kv_Td: jax.Array, pos_T: jax.Array, slot_T: jax.Array,

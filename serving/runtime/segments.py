@@ -19,7 +19,8 @@ from dsv41.block import Streams, attention_input, ffn_and_output, final_streams
 from dsv41.layers.mhc import HcMix, hc_collapse
 from dsv41.layers.rope import inv_freq, rope_angles
 from serving.runtime import global_kv
-from serving.runtime.attention import Tiles, attention, flat_band, gathered_band, write_ring
+from pallas_kernels import resolve_impl
+from serving.runtime.attention import Tiles, attention, flat_band, fused_attention, gathered_band, write_ring
 from serving.runtime.decoder_replay import gather_kept
 from serving.runtime.global_kv import TokenMeta
 from serving.runtime.kv_cache import CacheLayout
@@ -73,9 +74,13 @@ class _Layer:
                         self.candidates = cand
             topk, rows_cache = self.topk[role.index_source], cache["rows"][role.kv_source]
             rpb = layout.rows_per_block(role.kv_source)
-        band = band or flat_band(kv, ids_meta.pos, tiles, layout.window)
-        o = attention(layout, tiles, q, ids_meta.pos, band, cache["swa"][role.layer_id], attn.attn_sink[...],
-                      rows_cache=rows_cache, topk_Tk=topk, rows_per_block=rpb)
+        if band is None and resolve_impl(block.kernel_impl) == "pallas":
+            o = fused_attention(layout, tiles, q, ids_meta.pos, ids_meta.req, kv, cache["swa"][role.layer_id],
+                                attn.attn_sink[...], rows_cache=rows_cache, topk_Tk=topk)
+        else:
+            band = band or flat_band(kv, ids_meta.pos, tiles, layout.window)
+            o = attention(layout, tiles, q, ids_meta.pos, band, cache["swa"][role.layer_id], attn.attn_sink[...],
+                          rows_cache=rows_cache, topk_Tk=topk, rows_per_block=rpb)
         last_rows = ids_meta.valid & (ids_meta.pos >= req["end"][ids_meta.req] - layout.window)
         cache = {**cache, "swa": {**cache["swa"], role.layer_id: write_ring(
             layout, cache["swa"][role.layer_id], kv, ids_meta.pos, req["slot"][ids_meta.req], last_rows)}}

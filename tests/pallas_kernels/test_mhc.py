@@ -1,5 +1,5 @@
 """mHC post + delayed-pre collapse + RMSNorm: Pallas (interpret) and XLA against the reference, the
-reference against the model's hc_post / hc_collapse / rms_norm, and CUDA lowering at V4.1 sizes."""
+reference bit for bit against the model's hc_post / hc_collapse / rms_norm, and CUDA lowering at V4.1 sizes."""
 
 from __future__ import annotations
 
@@ -34,15 +34,25 @@ def test_pallas_and_xla_match_reference(dtype):
 
 
 def test_reference_agrees_with_model():
-    from dsv41.layers.basic import rms_norm
-    from dsv41.layers.mhc import HcMix, hc_collapse, hc_post
+    from dsv41.layers.mhc import HcMix
 
     rng, msg = fresh_rng()
-    R, y, post, comb, pre, w = make_case(rng, T=5, n=4, D=64, dtype=jnp.float32)
-    got_R, got_x = mhc.reference(R, y, post, comb, pre, w, eps=1e-6)
-    R_new = hc_post(R, HcMix(pre, post, comb), y)
-    assert_close(got_R, R_new, msg)
-    assert_close(got_x, rms_norm(hc_collapse(R_new, pre), w, 1e-6), msg)
+    for dtype in (jnp.float32, jnp.bfloat16):  # bit for bit: the model runs the fused op under "reference"
+        R, y, post, comb, pre, w = make_case(rng, T=5, n=4, D=64, dtype=dtype)
+        w = w.astype(dtype)
+        got_R, got_x = jax.jit(lambda *a: mhc.reference(*a, eps=1e-6))(R, y, post, comb, pre, w)
+        want_R, want_x = jax.jit(lambda R, y, post, comb, pre, w: _unfused(R, HcMix(pre, post, comb), y, pre, w))(
+            R, y, post, comb, pre, w)
+        np.testing.assert_array_equal(np.asarray(got_R, np.float32), np.asarray(want_R, np.float32), msg)
+        np.testing.assert_array_equal(np.asarray(got_x, np.float32), np.asarray(want_x, np.float32), msg)
+
+
+def _unfused(R, mix, y, pre, w):
+    from dsv41.layers.basic import rms_norm
+    from dsv41.layers.mhc import hc_collapse, hc_post
+
+    R_new = hc_post(R, mix, y)
+    return R_new, rms_norm(hc_collapse(R_new, pre), w, 1e-6)
 
 
 def test_lowers_for_cuda_at_v41_sizes():
