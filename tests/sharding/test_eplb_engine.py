@@ -63,3 +63,15 @@ def test_eplb_without_expert_parallel_is_refused():
         Engine(dsv41.random_model("tiny", seed=1), None, EngineArgs(eplb=True), progress=False)
     with pytest.raises(ValueError, match="step_interval"):
         EngineArgs(eplb=True, eplb_step_interval=0)
+
+
+def test_server_flags():
+    from serving.api.cli import main, parser
+
+    a = parser().parse_args(["--enable-expert-parallel", "-dp", "8", "--enable-eplb", "--eplb-window-size", "10",
+                             "--eplb-step-interval", "20", "--eplb-num-redundant-experts", "8"])
+    assert (a.enable_eplb, a.eplb_window_size, a.eplb_step_interval, a.eplb_num_redundant_experts) == (True, 10, 20, 8)
+    with pytest.raises(SystemExit, match="--enable-eplb needs --enable-expert-parallel"):
+        main(["--enable-eplb", "--compilation-cache-dir", ""])
+    with pytest.raises(SystemExit, match="step_interval must be >= 1"):
+        main(["--enable-eplb", "--enable-expert-parallel", "--eplb-step-interval", "0", "--compilation-cache-dir", ""])
