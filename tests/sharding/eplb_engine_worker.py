@@ -10,6 +10,7 @@ rendered `dsv41:eplb_*` metric lines.
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import numpy as np
@@ -18,10 +19,15 @@ INTERVAL, WINDOW, PROMPTS, MAX_TOKENS = 3, 4, (12, 9, 14), 6
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--compilation-cache-dir", default="", help="persistent XLA cache (the tests' one)")
+    cli = ap.parse_args()
+
     import jax
 
     import dsv41
     from serving.engine.engine import Engine, EngineArgs
+    from serving.runtime.runner import enable_compilation_cache
     from serving.sampling_params import SamplingParams
     from sharding.mesh import ParallelConfig
     from sharding.model import ShardedModel
@@ -29,6 +35,7 @@ def main() -> None:
 
     if jax.device_count() < 8:
         raise SystemExit(f"needs 8 devices, got {jax.device_count()} (XLA_FLAGS not applied?)")
+    enable_compilation_cache(cli.compilation_cache_dir)
     model = dsv41.random_model("tiny", seed=1)
     c = model.config
     block = max(8, max(c.compress_ratios) * c.candidate_block_size)  # whole candidate blocks per page

@@ -16,6 +16,7 @@ import pytest
 
 import dsv41
 from serving.engine.engine import Engine, EngineArgs
+from tests.conftest import XLA_CACHE
 from tests.sharding.eplb_engine_worker import INTERVAL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def served():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-m", "tests.sharding.eplb_engine_worker"], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "tests.sharding.eplb_engine_worker", "--compilation-cache-dir",
+                           str(XLA_CACHE)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
