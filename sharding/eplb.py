@@ -46,7 +46,7 @@ class Placement:
 
     def replica_count(self) -> np.ndarray:
         """[L, E] int32: slots holding each logical expert."""
-        L, P = self.phys_to_log.shape
+        L = self.phys_to_log.shape[0]
         count = np.zeros((L, self.n_logical), np.int32)
         np.add.at(count, (np.arange(L)[:, None], self.phys_to_log), 1)
         return count
@@ -55,8 +55,7 @@ class Placement:
         """(replica_table [L, E, width], replica_count [L, E]); `width` (default: the most replicas of any
         expert) fixes the table's shape across placements, e.g. 1 + redundant slots, so a migration keeps
         the compiled steps."""
-        L, P = self.phys_to_log.shape
-        E = self.n_logical
+        L, E = self.phys_to_log.shape[0], self.n_logical
         count = self.replica_count()
         need = max(int(count.max()), 1)
         if width is not None and width < need:

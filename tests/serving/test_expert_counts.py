@@ -51,7 +51,7 @@ def test_step_counts_equal_router_counts(model):
     runner.precompile()
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(3, c.vocab_size - 1, n)] for n in (13, 6)]
-    tables = [list(range(0, 6)), list(range(6, 12))]
+    tables = [list(range(6)), list(range(6, 12))]
     greedy = SamplingParams(temperature=0)
     # (start, end) per request per step: a prefill of 10 + 6 rows, a second prefill chunk beside a decode row,
     # then decode steps; every step is padded up to the 32-row bucket
