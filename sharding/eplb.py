@@ -44,13 +44,23 @@ class Placement:
     def n_logical(self) -> int:
         return int(self.phys_to_log.max()) + 1
 
-    def replicas(self) -> tuple[np.ndarray, np.ndarray]:
-        L, P = self.phys_to_log.shape
-        E = self.n_logical
-        count = np.zeros((L, E), np.int32)
-        for l in range(L):
-            np.add.at(count[l], self.phys_to_log[l], 1)
-        table = np.full((L, E, max(int(count.max()), 1)), -1, np.int32)
+    def replica_count(self) -> np.ndarray:
+        """[L, E] int32: slots holding each logical expert."""
+        L = self.phys_to_log.shape[0]
+        count = np.zeros((L, self.n_logical), np.int32)
+        np.add.at(count, (np.arange(L)[:, None], self.phys_to_log), 1)
+        return count
+
+    def replicas(self, width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(replica_table [L, E, width], replica_count [L, E]); `width` (default: the most replicas of any
+        expert) fixes the table's shape across placements, e.g. 1 + redundant slots, so a migration keeps
+        the compiled steps."""
+        L, E = self.phys_to_log.shape[0], self.n_logical
+        count = self.replica_count()
+        need = max(int(count.max()), 1)
+        if width is not None and width < need:
+            raise ValueError(f"replica table width {width} < {need} replicas of one expert")
+        table = np.full((L, E, width or need), -1, np.int32)
         fill = np.zeros((L, E), np.int32)
         for l in range(L):
             for p, e in enumerate(self.phys_to_log[l]):
@@ -60,7 +70,7 @@ class Placement:
 
     def rank_loads(self, load_LE: np.ndarray) -> np.ndarray:
         """[L, R] tokens per rank when each logical expert's load is split evenly over its replicas."""
-        _, count = self.replicas()
+        count = self.replica_count()
         L, P = self.phys_to_log.shape
         per_phys = np.take_along_axis(load_LE / np.maximum(count, 1), self.phys_to_log, axis=1)  # [L, P]
         return per_phys.reshape(L, self.n_ranks, P // self.n_ranks).sum(-1)
@@ -122,6 +132,7 @@ class EplbState:
         self.name, self.config, self.n_ranks = name, config, n_ranks
         self.placement = identity_placement(n_layers, n_logical, n_ranks, config.num_redundant_experts)
         self.window = np.zeros((config.window_size, n_layers, n_logical), np.int64)  # ring of per-step counts
+        self._load = np.zeros((n_layers, n_logical), np.int64)  # the ring's sum, kept as it turns
         self.steps = 0
         self.rearrangements = 0
         self.last_balancedness_before = self.last_balancedness_after = None
@@ -131,10 +142,13 @@ class EplbState:
         if counts_LE.shape != self.window.shape[1:]:
             raise ValueError(f"{self.name}: expert counts must be {list(self.window.shape[1:])}, "
                              f"got {list(counts_LE.shape)}")
-        self.window[self.steps % self.config.window_size] = counts_LE
+        slot = self.steps % self.config.window_size
+        self._load += counts_LE - self.window[slot]
+        self.window[slot] = counts_LE
 
     def window_load(self) -> np.ndarray:
-        return self.window[: min(self.steps, self.config.window_size)].sum(axis=0)
+        """[L, E] tokens per logical expert over the last window_size recorded steps."""
+        return self._load.copy()
 
     def step(self) -> Placement | None:
         """End of a step: every step_interval steps, the new placement (apply it between steps)."""

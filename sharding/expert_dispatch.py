@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from dsv41.layers.basic import matmul_precision
+from dsv41.layers.expert_load import expert_counts
 from dsv41.layers.moe import Experts, swiglu
 from sharding.mesh import EP_AXES, MESH_AXES, MOE_TP_AXES, axis_size
 
@@ -66,12 +67,6 @@ class ExpertDispatch:
                           out_specs=tok, check_vma=False)(
             x, sel, w, valid, experts.w1[...], experts.w3[...], experts.w2[...])
         return y[:T]
-
-
-def expert_counts(sel_Tk: jax.Array, valid_T: jax.Array, n_experts: int) -> jax.Array:
-    """[E] int32: how many of the valid tokens chose each expert."""
-    onehot = jax.nn.one_hot(sel_Tk, n_experts, dtype=jnp.int32) * valid_T[:, None, None]
-    return jnp.sum(onehot, axis=(0, 1))
 
 
 def _slots(sel_Tk: jax.Array, valid_T: jax.Array, n_experts: int) -> jax.Array:

@@ -24,6 +24,12 @@ from sharding.expert_dispatch import ExpertDispatch
 from sharding.mesh import ParallelConfig, make_mesh
 
 
+@jax.jit
+def _gather_slots(w_E: jax.Array, phys_to_log_P: jax.Array) -> jax.Array:
+    """Physical expert weights [P, ...] from the logical ones [E, ...] (one compilation per weight shape)."""
+    return jnp.take(w_E, phys_to_log_P, axis=0)
+
+
 def _forward_leaves(graphdef, treedef, leaves, ids_T, hashes, *, fake_quant: bool):
     return forward(nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves)), ids_T, hashes, fake_quant=fake_quant)
 
@@ -49,15 +55,16 @@ class ShardedModel:
         """Lay the backbone's routed experts out as `placement` (sharding.eplb.Placement, slots of rank r
         contiguous): physical weights gathered from the logical ones, the replica tables beside them.
         The first call adds the tables (a new graph); later calls only change values, so a Runner built
-        after the first call keeps its compiled steps: swap `runner._leaves = model.leaves()` between steps."""
-        table, count = placement.replicas()
-        gather = jax.jit(lambda w, idx: jnp.take(w, idx, axis=0))
+        after the first call keeps its compiled steps (`Runner.reload_params()` between steps). The replica
+        table is as wide as the most replicas any placement with these slots can give (1 + redundant slots),
+        so its shape does not change either."""
+        table, count = placement.replicas(width=1 + placement.phys_to_log.shape[1] - self.config.n_routed_experts)
         for l, block in enumerate(self.module.layers):
             ex = block.ffn.experts
             for name in ("w1", "w2", "w3"):
                 path = ("layers", l, "ffn", "experts", name)
-                setattr(ex, name, nnx.Param(jax.device_put(gather(self.params[path], placement.phys_to_log[l]),
-                                                           self.shardings[path])))
+                w = _gather_slots(self.params[path], placement.phys_to_log[l])
+                setattr(ex, name, nnx.Param(jax.device_put(w, self.shardings[path])))
             ex.eplb_replicas = nnx.Variable(rules.place(table[l], rules.replicated(self.mesh)))
             ex.eplb_replica_count = nnx.Variable(rules.place(count[l], rules.replicated(self.mesh)))
         self._split()

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dsv41.layers import expert_load
 from dsv41.layers.basic import Linear, matmul_precision
 from pallas_kernels import resolve_impl
 from pallas_kernels.moe_gmm import routed_experts
@@ -111,6 +112,7 @@ class MoE(nnx.Module):
 
     def __call__(self, x_TD: jax.Array, ids_T: jax.Array) -> jax.Array:
         sel, weights = self.gate(x_TD, ids_T)
+        expert_load.record(sel, self.n_experts)  # logical choices, before any EPLB replica mapping
         if self.routed_compute is not None:
             routed = self.routed_compute(self.experts, x_TD, sel, weights)
         else:

@@ -46,6 +46,14 @@ def parser() -> argparse.ArgumentParser:
     from sharding.mesh import ParallelConfig
 
     ParallelConfig.add_arguments(p)
+    g = p.add_argument_group("expert load balancing (EPLB; needs --enable-expert-parallel)")
+    g.add_argument("--enable-eplb", action="store_true",
+                   help="record per-expert load every step and rearrange the experts over the expert-parallel "
+                        "ranks every --eplb-step-interval steps (hot experts replicated into redundant slots)")
+    g.add_argument("--eplb-window-size", type=int, default=1000, help="steps of load the rearrangement looks at")
+    g.add_argument("--eplb-step-interval", type=int, default=3000, help="steps between rearrangements")
+    g.add_argument("--eplb-num-redundant-experts", type=int, default=0,
+                   help="extra expert slots over all ranks (n_routed_experts + this must divide over the ranks)")
     return p
 
 
@@ -65,6 +73,8 @@ def main(argv: list[str] | None = None) -> None:
 
     enable_compilation_cache(args.compilation_cache_dir)
     try:
+        if args.enable_eplb and not args.enable_expert_parallel:
+            raise ValueError("--enable-eplb needs --enable-expert-parallel (experts split over the ranks)")
         src = load_model(args.model, args.dtype, args.seed)
         engine_args = EngineArgs(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                  max_model_len=args.max_model_len, block_size=args.block_size,
@@ -74,7 +84,9 @@ def main(argv: list[str] | None = None) -> None:
                                  long_prefill_token_threshold=args.long_prefill_token_threshold,
                                  max_queued_requests=args.max_queued_requests,
                                  scheduling_policy=args.scheduling_policy, seed=args.seed,
-                                 token_buckets=args.token_buckets)
+                                 token_buckets=args.token_buckets, eplb=args.enable_eplb,
+                                 eplb_window_size=args.eplb_window_size, eplb_step_interval=args.eplb_step_interval,
+                                 eplb_num_redundant_experts=args.eplb_num_redundant_experts)
     except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")
     name = args.served_model_name or src.name

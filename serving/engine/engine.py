@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 import dsv41
+from serving.engine.eplb import EngineEplb
 from serving.engine.metrics import EngineMetrics
 from serving.engine.output import OutputState
 from serving.engine.request import Request, RequestOutput, Status, TokenLogprob
@@ -24,6 +25,7 @@ from serving.runtime.batch import SeqChunk
 from serving.runtime.block_manager import BlockManager
 from serving.runtime.runner import Runner, RuntimeConfig, StepOutput
 from serving.sampling_params import SamplingParams
+from sharding.eplb import EplbConfig
 
 log = logging.getLogger("serving.engine")
 
@@ -47,13 +49,25 @@ class EngineArgs:
     tile: int = 8
     fake_quant: bool = False
     token_buckets: tuple[int, ...] | None = None  # compiled step sizes; default: the runtime's ladder
+    eplb: bool = False  # expert load balancing (needs a model sharded with expert parallelism)
+    eplb_window_size: int = 1000  # steps of per-expert load the rearrangement looks at
+    eplb_step_interval: int = 3000  # steps between rearrangements
+    eplb_num_redundant_experts: int = 0  # extra expert slots (over all ranks) for replicas of hot experts
+
+    def __post_init__(self):
+        if self.eplb:
+            self.eplb_config()  # refuse bad EPLB numbers when the arguments are built
+
+    def eplb_config(self) -> EplbConfig:
+        return EplbConfig(window_size=self.eplb_window_size, step_interval=self.eplb_step_interval,
+                          num_redundant_experts=self.eplb_num_redundant_experts)
 
     def runtime_config(self) -> RuntimeConfig:
         return RuntimeConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                              max_model_len=self.max_model_len, block_size=self.block_size,
                              kv_cache_dtype=self.kv_cache_dtype, kv_cache_memory=self.kv_cache_memory,
                              swa_bounded_replay=self.swa_bounded_replay, tile=self.tile, fake_quant=self.fake_quant,
-                             seed=self.seed, token_buckets=self.token_buckets)
+                             seed=self.seed, token_buckets=self.token_buckets, expert_counts=self.eplb)
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
@@ -67,14 +81,17 @@ class EngineArgs:
 class Engine:
     def __init__(self, model: dsv41.Model, tokenizer=None, args: EngineArgs = EngineArgs(), *,
                  model_name: str = "dsv41", progress: bool = True, placement=None):
-        """`model` may be a `sharding.model.ShardedModel` with its `sharding.runtime.MeshPlacement`."""
+        """`model` may be a `sharding.model.ShardedModel` with its `sharding.runtime.MeshPlacement` (and then
+        `args.eplb` balances its experts)."""
         self.model, self.tokenizer, self.args = model, tokenizer, args
+        self.metrics = EngineMetrics(model_name)
+        # before the runner: EPLB's first placement is part of the graph the runner compiles
+        self.eplb = EngineEplb(model, args.eplb_config(), self.metrics) if args.eplb else None
         self.runner = Runner(model, args.runtime_config(), progress=progress, placement=placement)
         self.runner.precompile()
         layout = self.runner.layout
         self.blocks = BlockManager(layout.num_blocks, layout.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(args.scheduler_config(), model.config, self.blocks)
-        self.metrics = EngineMetrics(model_name)
         self.metrics.total_blocks.set(layout.num_blocks)
         self.requests: dict[str, Request] = {}
         self._out: dict[str, OutputState] = {}
@@ -140,6 +157,8 @@ class Engine:
             with jax.profiler.TraceAnnotation("engine.step"):
                 self._note_admissions(sched)
                 out = self.runner.step([self._chunk(s) for s in sched], [s.request.params for s in sched])
+                if self.eplb is not None:  # a rearrangement migrates the weights here, between two steps
+                    self.eplb.after_step(out.expert_counts, self.runner)
                 now = time.monotonic()
                 for i, s in enumerate(sched):
                     self.scheduler.computed(s)

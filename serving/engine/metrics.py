@@ -1,5 +1,6 @@
 """Prometheus metrics under vLLM's names (`vllm:*`), so existing dashboards and `vllm bench` scrapers read
-them unchanged, plus the block-pool gauges this engine adds (`dsv41:*`). One registry per engine."""
+them unchanged, plus the block-pool and expert-balancer (EPLB) metrics this engine adds (`dsv41:*`). One
+registry per engine."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ class EngineMetrics:
         def h(name, doc, buckets):
             return Histogram(name, doc, buckets=buckets, **lab).labels(model_name)
 
+        self._g, self._c = g, c  # for metrics added later (EPLB)
+
         self.running = g("vllm:num_requests_running", "Requests in the running batch.")
         self.waiting = g("vllm:num_requests_waiting", "Requests waiting (incl. preempted).")
         self.kv_usage = g("vllm:kv_cache_usage_perc", "Fraction of paged KV blocks referenced (1 = full).")
@@ -40,6 +43,20 @@ class EngineMetrics:
         self.e2e = h("vllm:e2e_request_latency_seconds", "Arrival to finish.", _LATENCY)
         self._success = Counter("vllm:request_success", "Finished requests by reason.",
                                 labelnames=["model_name", "finished_reason"], registry=r)
+
+    def add_eplb(self, n_layers: int) -> None:
+        """The expert load balancer's metrics (only engines with EPLB on export them)."""
+        self.eplb_balancedness = self._g("dsv41:eplb_balancedness", "EPLB: mean / max expert-parallel rank load "
+                                         "over the load window, each summed over MoE layers (1 = balanced).")
+        self.eplb_rebalances = self._c("dsv41:eplb_rebalances", "EPLB expert rearrangements (weight migrations).")
+        self._eplb_layer = Gauge("dsv41:eplb_layer_balancedness", "EPLB: one MoE layer's mean / max rank load.",
+                                 labelnames=["model_name", "layer"], registry=self.registry)
+        self.eplb_balancedness.set(1.0)  # no load yet
+        for layer in range(n_layers):
+            self.eplb_layer_balancedness(layer).set(1.0)
+
+    def eplb_layer_balancedness(self, layer: int):
+        return self._eplb_layer.labels(self._m, str(layer))
 
     def finished(self, reason: str) -> None:
         self._success.labels(self._m, reason).inc()

@@ -4,7 +4,8 @@ donated through every call, on-device sampling.
 Shapes are bucketed: segment 1 by the step's token count, segment 2 by its kept-row count (the CED
 trimming), the sampler once. Every bucket is compiled ahead of time
 (`precompile`, with a progress bar); a step whose bucket was not compiled raises instead of compiling in
-the serving loop. One step = one host->device call per function and one device->host copy: the tokens.
+the serving loop. One step = one host->device call per function and one device->host copy: the tokens
+(and, with `RuntimeConfig.expert_counts`, the MoE layers' per-expert token counts in the same copy).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class StepOutput(NamedTuple):
     top_ids: np.ndarray  # [n, MAX_LOGPROBS]
     top_logprobs: np.ndarray  # [n, MAX_LOGPROBS]
     rows: dict[int, RowLogprobs]  # chunk index -> its rows, for chunks with row_logprobs
+    expert_counts: np.ndarray | None = None  # [L, E] int32 routed choices of the step's valid rows per MoE layer
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,7 @@ class RuntimeConfig:
     seed: int = 0
     token_buckets: tuple[int, ...] | None = None  # default: `token_ladder` up to max_num_batched_tokens
     kernel_impl: str = "auto"  # fused-op implementation (pallas_kernels): auto = pallas on GPU, xla on CPU
+    expert_counts: bool = False  # return per-expert token counts with every step (EPLB's load signal)
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "tile", "max_top_k"):
@@ -120,8 +123,9 @@ class Runner:
         set_kernel_impl(model.module, rc.kernel_impl)
         graphdef, state = nnx.split(model.module)
         self._leaves, treedef = jax.tree.flatten(state)
+        self._graph = (graphdef, treedef)
         merge = functools.partial(_merge, graphdef, treedef)
-        kw = dict(tile=rc.tile, fake_quant=rc.fake_quant)
+        kw = dict(tile=rc.tile, fake_quant=rc.fake_quant, expert_counts=rc.expert_counts)
 
         def seg1(leaves, cache, carry_buf, b):
             with jax.named_scope("segment1"):
@@ -133,8 +137,8 @@ class Runner:
 
         # The cache keeps its layout across steps; everything else a segment returns is replicated.
         rep = placement.replicated if placement else None
-        self._fns = {"seg1": jax.jit(seg1, donate_argnums=(1, 2), out_shardings=(cache_sh, rep) if rep else None),
-                     "seg2": jax.jit(seg2, donate_argnums=1, out_shardings=(cache_sh, rep, rep) if rep else None),
+        self._fns = {"seg1": jax.jit(seg1, donate_argnums=(1, 2), out_shardings=(cache_sh, rep, rep) if rep else None),
+                     "seg2": jax.jit(seg2, donate_argnums=1, out_shardings=(cache_sh, rep, rep, rep) if rep else None),
                      "sample": jax.jit(functools.partial(sample, max_top_k=rc.max_top_k))}
         # Segment 1 leaves its rows in a persistent buffer of the largest bucket, which segment 2 reads: the
         # kept-row gather then lives in segment 2 and no function is compiled per (tokens, kept rows) pair.
@@ -216,29 +220,49 @@ class Runner:
         return {**L.report(), "global_bytes_per_token": paged / (L.num_blocks * L.block_size),
                 "swa_and_tail_bytes_per_request": private / L.num_slots, "total_bytes": paged + private}
 
+    def reload_params(self) -> None:
+        """Take the model module's current parameter values (e.g. after an EPLB weight migration) for the next
+        step. The compiled buckets stay: the graph, shapes and shardings must be the ones compiled for."""
+        graphdef, state = nnx.split(self.model.module)
+        leaves, treedef = jax.tree.flatten(state)
+        if (graphdef, treedef) != self._graph:
+            raise ValueError("the model's parameter structure changed since the runner was built; the compiled "
+                             "steps cannot take it (build a new Runner)")
+        for old, new in zip(self._leaves, leaves):
+            if (old.shape, old.dtype) != (new.shape, new.dtype) or (
+                    isinstance(old, jax.Array) and isinstance(new, jax.Array) and old.sharding != new.sharding):
+                raise ValueError(f"a parameter changed from {old.shape} {old.dtype} to {new.shape} {new.dtype} "
+                                 "(or its sharding); the compiled steps cannot take it (build a new Runner)")
+        self._leaves = leaves
+
     # ------------------------------------------------------------------ execution
     def forward(self, chunks: Sequence[SeqChunk]) -> jax.Array:
         """Run one step; the logits [max_num_seqs, vocab] of each request's last row (device array)."""
         return self._segments(chunks)[1]
 
-    def _segments(self, chunks: Sequence[SeqChunk]) -> tuple[dict, jax.Array, tuple]:
+    def _segments(self, chunks: Sequence[SeqChunk]) -> tuple[dict, jax.Array, tuple, tuple]:
+        """(segment 2's batch, logits, row logprobs, the two segments' expert counts (None when off))."""
         with jax.profiler.TraceAnnotation("runner.build"):
             b1, b2 = self._build(chunks)
         T, T2 = len(b1["ids"]), len(b2["kept"])
         with jax.profiler.TraceAnnotation("runner.segment1"):
-            self.cache, self.carry_buf = self._exe_for(("seg1", T))(self._leaves, self.cache, self.carry_buf, b1)
+            self.cache, self.carry_buf, counts1 = self._exe_for(("seg1", T))(self._leaves, self.cache,
+                                                                             self.carry_buf, b1)
         with jax.profiler.TraceAnnotation("runner.segment2"):
-            self.cache, logits, rows = self._exe_for(("seg2", T2))(self._leaves, self.cache, self.carry_buf, b2)
-        return b2, logits, rows
+            self.cache, logits, rows, counts2 = self._exe_for(("seg2", T2))(self._leaves, self.cache,
+                                                                            self.carry_buf, b2)
+        return b2, logits, rows, (counts1, counts2)
 
     def step(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams | None]) -> StepOutput:
         """Run one step and sample each request's next token; row logprobs for chunks that ask for them."""
-        b2, logits, rows = self._segments(chunks)
+        b2, logits, rows, counts = self._segments(chunks)
         p = sampling_arrays(list(params), [ch.end for ch in chunks], self.rc.max_num_seqs, self.rc.seed)
         with jax.profiler.TraceAnnotation("runner.sample"):
             sampled = self._exe_for(("sample",))(logits, p)
         n = len(chunks)
-        tok, logprob, top_ids, top_lp = (np.asarray(a)[:n] for a in sampled)
+        sampled, counts = jax.device_get((tuple(sampled), counts if self.rc.expert_counts else None))
+        tok, logprob, top_ids, top_lp = (a[:n] for a in sampled)
+        expert_counts = np.concatenate(counts) if counts is not None else None
         out = {}
         if b2["rows_wanted"]:
             lp, ids, tlp = (np.asarray(a) for a in rows)
@@ -246,7 +270,7 @@ class Runner:
                 if ch.row_logprobs:
                     sl = slice(b2["req_kept_first"][i], b2["req_kept_first"][i] + b2["req_kept_qlen"][i])
                     out[i] = RowLogprobs(lp[sl], ids[sl], tlp[sl])
-        return StepOutput(tok, logprob, top_ids, top_lp, out)
+        return StepOutput(tok, logprob, top_ids, top_lp, out, expert_counts)
 
 
 def _spec(a) -> jax.ShapeDtypeStruct:

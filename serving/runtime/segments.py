@@ -8,14 +8,21 @@ segment 2  the kept rows (all of them with replay off; each prefill's last `wind
            last row, and (under a cond, when a chunk asks) every kept row's next-token logprobs. Its
            shapes are its own row buckets, so trimming costs no recompilation.
 Decode steps run through the same two functions with every row kept.
+
+With `expert_counts` each segment also returns the per-expert token counts of the MoE layers it ran
+([cut, E] and [L - cut, E] int32, valid rows only: segment 2's are the kept rows, the rows those layers
+compute), for the expert load balancer; otherwise None.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import jax
 import jax.numpy as jnp
 
 from dsv41.block import Streams, attention_input, ffn_and_output, final_streams
+from dsv41.layers.expert_load import count_experts
 from dsv41.layers.mhc import HcMix, hc_collapse
 from dsv41.layers.rope import inv_freq, rope_angles
 from serving.runtime import global_kv
@@ -87,8 +94,20 @@ class _Layer:
         return attn.output(o, cos, sin, x.dtype), cache
 
 
-def segment1(module, layout: CacheLayout, cache: dict, carry_buf: dict, b: dict, *, tile: int, fake_quant: bool
-             ) -> tuple[dict, dict]:
+def _counting(on: bool, valid_T: jax.Array):
+    return count_experts(valid_T) if on else contextlib.nullcontext()
+
+
+def _stacked(counts: list | None, module) -> jax.Array | None:
+    """[layers, E] int32 of the collected counts (None when not collecting)."""
+    if counts is None:
+        return None
+    return jnp.stack(counts) if counts else jnp.zeros((0, module.layers[0].ffn.n_experts), jnp.int32)
+
+
+def segment1(module, layout: CacheLayout, cache: dict, carry_buf: dict, b: dict, *, tile: int, fake_quant: bool,
+             expert_counts: bool = False) -> tuple[dict, dict, jax.Array | None]:
+    """(cache, carry rows in `carry_buf`, expert counts of layers 0 .. cut-1 [cut, E] or None)."""
     c, cut = layout.config, layout.config.cut_layer
     req = _req(b)
     meta = TokenMeta(b["pos"], b["req"], b["valid"])
@@ -96,12 +115,14 @@ def segment1(module, layout: CacheLayout, cache: dict, carry_buf: dict, b: dict,
     layer = _Layer(layout, fake_quant, b["n_iter"])
     e = module.embed(b["ids"])
     s = Streams(jnp.broadcast_to(e[:, None, :], (e.shape[0], c.hc_mult, e.shape[1])), None, None)
-    for block in module.layers[:cut]:
-        with jax.named_scope(f"layer_{block.role.layer_id}"):
-            R, mix, x = attention_input(block, c, s, b.get("engram"))
-            with jax.named_scope("attn"):
-                y, cache = layer.attend(block, x, meta, req, tiles, cache)
-            s = ffn_and_output(block, c, R, mix, y, b["ids"])
+    with _counting(expert_counts, b["valid"]) as counts:
+        for block in module.layers[:cut]:
+            with jax.named_scope(f"layer_{block.role.layer_id}"):
+                R, mix, x = attention_input(block, c, s, b.get("engram"))
+                with jax.named_scope("attn"):
+                    y, cache = layer.attend(block, x, meta, req, tiles, cache)
+                s = ffn_and_output(block, c, R, mix, y, b["ids"])
+    counts = _stacked(counts, module)
     block = module.layers[cut]
     with jax.named_scope(f"layer_{cut}_kv_path"):
         R, mix, x = attention_input(block, c, s, b.get("engram"))
@@ -113,16 +134,17 @@ def segment1(module, layout: CacheLayout, cache: dict, carry_buf: dict, b: dict,
              "pos": b["pos"], "req": b["req"], "topk": layer.topk, "candidates": layer.candidates}
     carry = {n: v for n, v in carry.items() if v is not None}
     if carry_buf is None:  # shape probe: the carry of this bucket
-        return cache, carry
+        return cache, carry, counts
     # Rows [0, T) of the persistent max-size buffer: segment 2's input shapes then depend on its own bucket only.
     return cache, jax.tree.map(lambda buf, a: jax.lax.dynamic_update_slice_in_dim(buf, a.astype(buf.dtype), 0, 0),
-                               carry_buf, carry)
+                               carry_buf, carry), counts
 
 
-def segment2(module, layout: CacheLayout, cache: dict, carry_buf: dict, b: dict, *, tile: int, fake_quant: bool
-             ) -> tuple[dict, jax.Array, jax.Array]:
+def segment2(module, layout: CacheLayout, cache: dict, carry_buf: dict, b: dict, *, tile: int, fake_quant: bool,
+             expert_counts: bool = False) -> tuple[dict, jax.Array, tuple, jax.Array | None]:
     """(cache, logits of each request's last row [max_num_seqs, V], row logprobs of every kept row: next-token
-    logprob [T2] and top ids / logprobs [T2, MAX_LOGPROBS] - zeros unless a chunk asked for them)."""
+    logprob [T2] and top ids / logprobs [T2, MAX_LOGPROBS] - zeros unless a chunk asked for them - and the
+    expert counts of layers cut .. L-1 over the kept rows [L - cut, E] or None)."""
     c, cut = layout.config, layout.config.cut_layer
     carry = gather_kept(carry_buf, b, window=layout.window, tile=tile)
     req = _req(b)
@@ -131,18 +153,20 @@ def segment2(module, layout: CacheLayout, cache: dict, carry_buf: dict, b: dict,
     layer = _Layer(layout, fake_quant, b["n_iter"])
     layer.topk, layer.candidates = dict(carry.get("topk", {})), carry.get("candidates")
     block = module.layers[cut]
-    with jax.named_scope(f"layer_{cut}"):
-        tiles = _tiles(b, req, "kept_first", "kept_qlen", "kv_floor", size)  # the cut layer wrote every row
-        y, cache = layer.attend(block, carry["x"], meta, req, tiles, cache, band=gathered_band(*carry["band"]),
-                                kv=carry["kv"])
-        s = ffn_and_output(block, c, carry["R"], HcMix(carry["pre"], carry["post"], carry["comb"]), y, carry["ids"])
-    tiles = _tiles(b, req, "kept_first", "kept_qlen", "dec_floor", size)
-    for block in module.layers[cut + 1:]:
-        with jax.named_scope(f"layer_{block.role.layer_id}"):
-            R, mix, x = attention_input(block, c, s)
-            with jax.named_scope("attn"):
-                y, cache = layer.attend(block, x, meta, req, tiles, cache)
-            s = ffn_and_output(block, c, R, mix, y, carry["ids"])
+    with _counting(expert_counts, b["valid"]) as counts:
+        with jax.named_scope(f"layer_{cut}"):
+            tiles = _tiles(b, req, "kept_first", "kept_qlen", "kv_floor", size)  # the cut layer wrote every row
+            y, cache = layer.attend(block, carry["x"], meta, req, tiles, cache, band=gathered_band(*carry["band"]),
+                                    kv=carry["kv"])
+            s = ffn_and_output(block, c, carry["R"], HcMix(carry["pre"], carry["post"], carry["comb"]), y,
+                               carry["ids"])
+        tiles = _tiles(b, req, "kept_first", "kept_qlen", "dec_floor", size)
+        for block in module.layers[cut + 1:]:
+            with jax.named_scope(f"layer_{block.role.layer_id}"):
+                R, mix, x = attention_input(block, c, s)
+                with jax.named_scope("attn"):
+                    y, cache = layer.attend(block, x, meta, req, tiles, cache)
+                s = ffn_and_output(block, c, R, mix, y, carry["ids"])
     with jax.named_scope("logits"):
         R, pre = final_streams(s)
         h_TD = module.norm(hc_collapse(R, pre))
@@ -150,7 +174,7 @@ def segment2(module, layout: CacheLayout, cache: dict, carry_buf: dict, b: dict,
     with jax.named_scope("row_logprobs"):  # prompt logprobs: the head on every kept row, only when asked
         rows = jax.lax.cond(b["rows_wanted"], lambda: _row_logprobs(module, h_TD, b["rows_next"]),
                             lambda: _no_row_logprobs(h_TD.shape[0], c.vocab_size))
-    return cache, logits, rows
+    return cache, logits, rows, _stacked(counts, module)
 
 
 def _row_logprobs(module, h_TD: jax.Array, next_T: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

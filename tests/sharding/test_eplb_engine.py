@@ -1,0 +1,79 @@
+"""EPLB in the serving engine on 8 virtual CPU devices (a subprocess: this process may have initialised jax
+with another device count): DEP8 tiny with 8 redundant expert slots rearranges every `interval` steps, the
+weights migrate between steps without recompiling, the greedy outputs are the single-device engine's, and
+the balancedness and rearrangement count are in the rendered /metrics registry. Also: EPLB without expert
+parallelism is refused by name."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import dsv41
+from serving.engine.engine import Engine, EngineArgs
+from tests.conftest import XLA_CACHE
+from tests.sharding.eplb_engine_worker import INTERVAL
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def served():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-m", "tests.sharding.eplb_engine_worker", "--compilation-cache-dir",
+                           str(XLA_CACHE)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_rearranges_every_interval_with_greedy_outputs_unchanged(served):
+    assert served["eplb"] == served["ref"]
+    assert served["eplb_steps"] == served["steps"] >= 2 * INTERVAL
+    assert served["rearranged_at"] == list(range(INTERVAL, served["steps"] + 1, INTERVAL))
+    p = np.array(served["placements"])  # [rearrangements + 1, L, 16 slots]
+    assert p.shape[2] == 16 and all(sorted(set(row)) == list(range(8)) for row in p.reshape(-1, 16))
+    assert (p[1] != p[0]).any()  # the first rearrangement moved experts: the outputs above ran migrated weights
+    assert served["runner_runs_model_leaves"]
+    assert served["compiled_after"] == served["compiled_before"]  # migrations compile no new step
+
+
+def test_metrics_rendered(served):
+    lines = served["metrics"]
+
+    def value(pattern):
+        hits = [float(ln.rsplit(" ", 1)[1]) for ln in lines if re.match(pattern, ln)]
+        assert len(hits) == 1, (pattern, lines)
+        return hits[0]
+
+    assert value(r"dsv41:eplb_rebalances_total\{") == len(served["rearranged_at"])
+    assert value(r"dsv41:eplb_balancedness\{") == pytest.approx(served["balancedness"])
+    layers = [ln for ln in lines if ln.startswith("dsv41:eplb_layer_balancedness{")]
+    assert len(layers) == np.array(served["placements"]).shape[1]
+    assert all(0 < float(ln.rsplit(" ", 1)[1]) <= 1 for ln in layers)
+    before, after = served["before_after"]
+    assert after > before  # the rearrangement balanced the window it was computed on
+
+
+def test_eplb_without_expert_parallel_is_refused():
+    with pytest.raises(ValueError, match="eplb needs expert parallelism"):
+        Engine(dsv41.random_model("tiny", seed=1), None, EngineArgs(eplb=True), progress=False)
+    with pytest.raises(ValueError, match="step_interval"):
+        EngineArgs(eplb=True, eplb_step_interval=0)
+
+
+def test_server_flags():
+    from serving.api.cli import main, parser
+
+    a = parser().parse_args(["--enable-expert-parallel", "-dp", "8", "--enable-eplb", "--eplb-window-size", "10",
+                             "--eplb-step-interval", "20", "--eplb-num-redundant-experts", "8"])
+    assert (a.enable_eplb, a.eplb_window_size, a.eplb_step_interval, a.eplb_num_redundant_experts) == (True, 10, 20, 8)
+    with pytest.raises(SystemExit, match="--enable-eplb needs --enable-expert-parallel"):
+        main(["--enable-eplb", "--compilation-cache-dir", ""])
+    with pytest.raises(SystemExit, match="step_interval must be >= 1"):
+        main(["--enable-eplb", "--enable-expert-parallel", "--eplb-step-interval", "0", "--compilation-cache-dir", ""])
