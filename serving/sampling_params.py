@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20  # top logprobs the device returns per row (OpenAI allows 0..20)
+MAX_BANNED = 16  # token ids one row may be kept from sampling (EOS + stop ids until min_tokens are out)
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ class SamplingParams:
         _check(self.n >= 1, "n", "must be >= 1", self.n)
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)", self.seed)
         _check(all(s for s in self.stop), "stop", "must not contain empty strings", list(self.stop))
+        _check(not self.min_tokens or len(self.stop_token_ids) < MAX_BANNED, "stop_token_ids",
+               f"may hold at most {MAX_BANNED - 1} ids together with min_tokens", len(self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:

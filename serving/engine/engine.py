@@ -156,7 +156,8 @@ class Engine:
         if sched:
             with jax.profiler.TraceAnnotation("engine.step"):
                 self._note_admissions(sched)
-                out = self.runner.step([self._chunk(s) for s in sched], [s.request.params for s in sched])
+                out = self.runner.step([self._chunk(s) for s in sched], [s.request.params for s in sched],
+                                       [self._banned(s.request) for s in sched])
                 if self.eplb is not None:  # a rearrangement migrates the weights here, between two steps
                     self.eplb.after_step(out.expert_counts, self.runner)
                 now = time.monotonic()
@@ -176,6 +177,13 @@ class Engine:
                         trim=self.args.swa_bounded_replay and not req.keeps_all_rows, sample=s.sample,
                         row_logprobs=req.keeps_all_rows and req.request_id in self._prompt_lp
                         and s.start < req.num_prompt - 1)
+
+    def _banned(self, req: Request) -> list[int]:
+        """EOS and stop ids cannot be sampled before `min_tokens` outputs (vLLM masks them the same way)."""
+        p = req.params
+        if req.num_output >= p.min_tokens:
+            return []
+        return ([] if req.eos_id is None else [req.eos_id]) + list(p.stop_token_ids)
 
     def _note_admissions(self, sched: list[Scheduled]) -> None:
         for s in sched:

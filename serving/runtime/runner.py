@@ -253,10 +253,12 @@ class Runner:
                                                                             self.carry_buf, b2)
         return b2, logits, rows, (counts1, counts2)
 
-    def step(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams | None]) -> StepOutput:
+    def step(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams | None],
+             banned: Sequence[Sequence[int]] | None = None) -> StepOutput:
         """Run one step and sample each request's next token; row logprobs for chunks that ask for them."""
         b2, logits, rows, counts = self._segments(chunks)
-        p = sampling_arrays(list(params), [ch.end for ch in chunks], self.rc.max_num_seqs, self.rc.seed)
+        p = sampling_arrays(list(params), [ch.end for ch in chunks], self.rc.max_num_seqs, self.rc.seed,
+                            banned=None if banned is None else list(banned))
         with jax.profiler.TraceAnnotation("runner.sample"):
             sampled = self._exe_for(("sample",))(logits, p)
         n = len(chunks)

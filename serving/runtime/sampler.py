@@ -14,15 +14,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving.sampling_params import MAX_LOGPROBS, SamplingParams
+from serving.sampling_params import MAX_BANNED, MAX_LOGPROBS, SamplingParams
 
 
-def sampling_arrays(params: list[SamplingParams | None], positions: list[int], rows: int, default_seed: int
-                    ) -> dict[str, np.ndarray]:
-    """Per-request parameter arrays padded to `rows` (missing rows are greedy)."""
+def sampling_arrays(params: list[SamplingParams | None], positions: list[int], rows: int, default_seed: int,
+                    banned: list[list[int]] | None = None) -> dict[str, np.ndarray]:
+    """Per-request parameter arrays padded to `rows` (missing rows are greedy). `banned[i]`: token ids row i may
+    not sample (EOS and stop ids while `min_tokens` are not out yet), at most MAX_BANNED."""
     out = {"temperature": np.zeros(rows, np.float32), "top_k": np.zeros(rows, np.int32),
            "top_p": np.ones(rows, np.float32), "min_p": np.zeros(rows, np.float32),
-           "seed": np.zeros(rows, np.uint32), "position": np.zeros(rows, np.int32)}
+           "seed": np.zeros(rows, np.uint32), "position": np.zeros(rows, np.int32),
+           "banned": np.full((rows, MAX_BANNED), -1, np.int32)}
+    for i, ids in enumerate(banned or []):
+        if len(ids) > MAX_BANNED:
+            raise ValueError(f"row {i}: {len(ids)} banned tokens exceed {MAX_BANNED}")
+        out["banned"][i, : len(ids)] = ids
     for i, (p, pos) in enumerate(zip(params, positions)):
         p = p or SamplingParams(temperature=0.0)
         out["temperature"][i], out["top_k"][i] = p.temperature, p.top_k
@@ -35,9 +41,14 @@ def sampling_arrays(params: list[SamplingParams | None], positions: list[int], r
 def sample(logits_RV: jax.Array, p: dict, *, max_top_k: int
            ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Sampled token ids [R], their log-probabilities under the unfiltered model distribution [R], and the
-    MAX_LOGPROBS most likely tokens' ids and log-probabilities [R, MAX_LOGPROBS] (OpenAI `top_logprobs`)."""
-    logits = logits_RV.astype(jnp.float32)
-    R, V = logits.shape
+    MAX_LOGPROBS most likely tokens' ids and log-probabilities [R, MAX_LOGPROBS] (OpenAI `top_logprobs`).
+    Banned ids are never sampled; logprobs stay those of the model (vLLM's raw logprobs)."""
+    raw = logits_RV.astype(jnp.float32)
+    R, V = raw.shape
+    ban = p["banned"]
+    hits = jnp.zeros((R, V), jnp.int32).at[jnp.arange(R)[:, None], jnp.maximum(ban, 0)].add(
+        (ban >= 0).astype(jnp.int32))
+    logits = jnp.where(hits > 0, -jnp.inf, raw)
     K = min(max_top_k, V)
     greedy = p["temperature"] <= 0
     temp = jnp.where(greedy, 1.0, p["temperature"])[:, None]
@@ -62,7 +73,7 @@ def sample(logits_RV: jax.Array, p: dict, *, max_top_k: int
                             lambda: jnp.argmax(logits / temp + gumbel((V,)), axis=-1),
                             lambda: jnp.zeros((R,), jnp.int32))
     tok = jnp.where(greedy, jnp.argmax(logits, axis=-1), jnp.where(filtered, filtered_tok, full_tok))
-    logp = jax.nn.log_softmax(logits, axis=-1)
+    logp = jax.nn.log_softmax(raw, axis=-1)
     logprob = jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
     top_lp, top_ids = jax.lax.top_k(logp, min(MAX_LOGPROBS, V))
     return tok.astype(jnp.int32), logprob, top_ids.astype(jnp.int32), top_lp

@@ -80,6 +80,21 @@ def test_parameters_change_without_recompiling_and_hlo_has_no_sort():
 def test_bad_parameters_name_the_field():
     for kw, msg in ((dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=-2), "top_k"),
                     (dict(min_p=2), "min_p"), (dict(max_tokens=0), "max_tokens"), (dict(logprobs=21), "logprobs"),
-                    (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(stop=[""]), "stop"), (dict(n=0), "n")):
+                    (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(stop=[""]), "stop"), (dict(n=0), "n"),
+                    (dict(min_tokens=1, stop_token_ids=range(16)), "stop_token_ids")):
         with pytest.raises(ValueError, match=msg):
             SamplingParams(**kw)
+
+
+def test_banned_ids_are_never_sampled_and_logprobs_stay_raw():
+    logits = np.random.default_rng(5).standard_normal((4, V)).astype(np.float32)
+    top2 = np.argsort(-logits, axis=1)[:, :2]
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3),
+              SamplingParams(temperature=1.0, top_k=1, seed=4), None]
+    banned = [[int(top2[0, 0])], [int(top2[1, 0]), int(top2[1, 1])], [int(top2[2, 0])], []]
+    p = sampling_arrays(params, [0] * 4, 4, 0, banned=banned)
+    tok, lp, _, _ = jax.jit(sample, static_argnames="max_top_k")(jnp.asarray(logits), p, max_top_k=64)
+    tok = np.asarray(tok)
+    assert tok[0] == top2[0, 1] and tok[2] == top2[2, 1] and tok[1] not in banned[1] and tok[3] == top2[3, 0]
+    ref = logits - np.log(np.exp(logits).sum(1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(lp), ref[np.arange(4), tok], rtol=1e-5)
