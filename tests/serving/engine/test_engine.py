@@ -132,3 +132,15 @@ def test_offline_llm_matches_the_engine(engine, model, args):
     assert [c.index for c in many[0].outputs] == [0, 1, 2] and len({tuple(c.token_ids) for c in many[0].outputs}) > 1
     with pytest.raises(ValueError, match="maximum context length is 96"):  # a V4.1 chat prompt is ~100 tokens
         llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=3))
+
+
+def test_min_tokens_masks_stop_ids_until_reached(engine):
+    """The greedy first tokens become stop ids: with min_tokens they cannot be sampled before min_tokens outputs
+    (masked on the device, as vLLM), then the first one to come stops the request."""
+    prompt = _prompt(31)
+    (free,), _ = _serve(engine, [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    stops = free[:3]
+    (got,), _ = _serve(engine, [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, min_tokens=3,
+                                                        stop_token_ids=stops))
+    assert not set(got[:3]) & set(stops), (free, got)
+    assert len(got) == 8 or got[-1] in stops
