@@ -55,11 +55,10 @@ class _Sampling(BaseModel):
                 return f"{name}: sampling penalties are not supported; omit it or pass {neutral}"
         return None
 
-    def sampling(self, max_tokens: int | None, logprobs: int | None, *, default_temperature: float = 1.0
-                 ) -> SamplingParams:
+    def sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return SamplingParams(
-            temperature=default_temperature if self.temperature is None else self.temperature,
+            temperature=1.0 if self.temperature is None else self.temperature,  # OpenAI's default
             top_k=self.top_k or 0, top_p=1.0 if self.top_p is None else self.top_p,
             min_p=self.min_p or 0.0, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,

@@ -1,6 +1,6 @@
 """The `random` benchmark workload through HF transformers `generate` on a V4 checkpoint (the baseline).
 
-    /tmp/oracle311/bin/python serving/bench/hf_generate.py --model DIR --num-prompts 16 --batch-size 8 \
+    HF_PYTHON serving/bench/hf_generate.py --model DIR --num-prompts 16 --batch-size 8 \
         --input-len 512 --output-len 64 --dtype bfloat16 --output-json hf.json
 
 Runs under a Python with torch + transformers >= 5.24 (DeepseekV4ForCausalLM) and no jax: it is run as a

@@ -8,7 +8,7 @@ The V4.1 model keeps every dimension of the V4 one; only the attention layout di
 require: V4 ratios 0 / 4 (CSA) / 128 (HCA) / 4 with a hash-routed first layer, V4.1 ratios 0 / 2 / 1 / 1
 with layers 1 and 2 as KV sources, 1-3 as index sources and layer 2 as the candidate source for layer 3's
 top-k (layer 3 a CED decoder layer), no Engram and no DSpark.
-`peer` is the 78.5M-parameter V4 the peer tooling measured vLLM and HF on (/work/shared/peer/make_tiny_v4.py).
+`peer` is the 78.5M-parameter V4 the peer tooling measured vLLM and HF on (`../shared/peer/make_tiny_v4.py`).
 Both folders get the built-in byte-level tokenizer (`serving.api.tokenizer.byte_level_tokenizer`, V4.1
 special tokens) when that module is present; the benchmark itself sends token ids and needs none.
 """

@@ -98,12 +98,16 @@ class AsyncEngine:
             if outs:
                 self._loop.call_soon_threadsafe(self._deliver, outs)
 
-    def _drain(self) -> None:
+    def _queued(self):
+        """The commands queued so far, oldest first (stops when the queue is empty)."""
         while True:
             try:
-                cmd = self._cmds.get_nowait()
+                yield self._cmds.get_nowait()
             except queue.Empty:
                 return
+
+    def _drain(self) -> None:
+        for cmd in self._queued():
             if cmd[0] == "add":
                 _, rid, prompt, params, meta, fut = cmd
                 try:
@@ -121,11 +125,7 @@ class AsyncEngine:
         """Every stream gets an error output; requests not yet accepted get EngineDead."""
         outs = [RequestOutput(rid, [], "", True, "abort", error=message) for rid in list(self._streams)]
         self._loop.call_soon_threadsafe(self._deliver, outs)
-        while True:
-            try:
-                cmd = self._cmds.get_nowait()
-            except queue.Empty:
-                return
+        for cmd in self._queued():
             if cmd[0] == "add":
                 self._loop.call_soon_threadsafe(_set_exception, cmd[-1], EngineDead(message))
 

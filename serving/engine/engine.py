@@ -19,7 +19,7 @@ import dsv41
 from serving.engine.eplb import EngineEplb
 from serving.engine.metrics import EngineMetrics
 from serving.engine.output import OutputState
-from serving.engine.request import Request, RequestOutput, Status, TokenLogprob
+from serving.engine.request import Request, RequestOutput, TokenLogprob
 from serving.engine.scheduler import Scheduled, Scheduler, SchedulerConfig
 from serving.runtime.batch import SeqChunk
 from serving.runtime.block_manager import BlockManager
