@@ -16,6 +16,12 @@ worst case, every local token choosing the same expert) that holds the largest p
 this step, computed from the routing before dispatch and agreed on by a pmax; `lax.switch` runs that
 bucket's dispatch. Decode steps with balanced routing then move a fraction of the worst-case bytes.
 With ep = 1 (the TP layout) the all-to-alls are local and the compute is a grouped einsum per expert.
+
+Called inside the runtime's per-rank `shard_map` (`sharding.runtime`: the dp axes already manual, each rank
+holding different tokens), the dispatch splits tokens over the remaining expert axis only (tp_ep), and
+where an expert's intermediate dimension is split over dp (ep < world with dp > ep) it first gathers the
+tokens of the ranks that share those slices, so the partial sums it adds belong to the same tokens; each
+rank keeps its own rows of the result.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P, get_abstract_mesh
 
 from dsv41.layers.basic import matmul_precision
 from dsv41.layers.expert_load import expert_counts
@@ -50,22 +56,30 @@ class ExpertDispatch:
         return axis_size(self.mesh, EP_AXES)
 
     def __call__(self, experts: Experts, x_TD: jax.Array, sel_Tk: jax.Array, weights_Tk: jax.Array) -> jax.Array:
+        manual = set(get_abstract_mesh().manual_axes)  # the dp axes inside the runtime's per-rank shard_map
+        split = tuple(a for a in EP_AXES if a not in manual)  # token shards of this dispatch
+        gather = tuple(a for a in MOE_TP_AXES if a in manual and self.mesh.shape[a] > 1)
+        inter = tuple(a for a in MOE_TP_AXES if a not in manual)
         T = x_TD.shape[0]
-        n_shards = self.ep
         if hasattr(experts, "eplb_replicas"):  # EPLB placement: each choice -> one replica of its expert
             replicas, count = experts.eplb_replicas[...], experts.eplb_replica_count[...]
             sel_Tk = replicas[sel_Tk, jnp.arange(T)[:, None] % count[sel_Tk]]
-        T_pad = -(-T // n_shards) * n_shards
-        valid = jnp.arange(T_pad) < T
+        n_split = axis_size(self.mesh, split)
+        T_pad = -(-T // n_split) * n_split
         pad = ((0, T_pad - T), (0, 0))
         x, sel, w = jnp.pad(x_TD, pad), jnp.pad(sel_Tk, pad), jnp.pad(weights_Tk, pad)
-        tok, e_spec = P(EP_AXES, None), P(EP_AXES, MOE_TP_AXES, None)
-        body = functools.partial(_dispatch_compute, ep=n_shards, limit=experts.limit,
-                                 ladder=capacity_ladder(T_pad // n_shards, self.capacity_buckets))
-        y = jax.shard_map(body, mesh=self.mesh,
-                          in_specs=(tok, tok, tok, P(EP_AXES), e_spec, e_spec, P(EP_AXES, None, MOE_TP_AXES)),
-                          out_specs=tok, check_vma=False)(
+        valid = jnp.arange(T_pad) < T
+        if gather:  # the ranks sharing this rank's expert-intermediate slices: their tokens too
+            x, sel, w, valid = (jax.lax.all_gather(a, gather, tiled=True) for a in (x, sel, w, valid))
+        tok, e_spec = P(split, None), P(split, inter, None)
+        body = functools.partial(_dispatch_compute, ep=self.ep, limit=experts.limit,
+                                 ladder=capacity_ladder(x.shape[0] // n_split, self.capacity_buckets))
+        y = jax.shard_map(body, mesh=None if manual else self.mesh,
+                          in_specs=(tok, tok, tok, P(split), e_spec, e_spec, P(split, None, inter)),
+                          out_specs=tok, axis_names=set(MESH_AXES) - manual, check_vma=False)(
             x, sel, w, valid, experts.w1[...], experts.w3[...], experts.w2[...])
+        if gather:
+            y = jax.lax.dynamic_slice_in_dim(y, jax.lax.axis_index(gather) * T_pad, T_pad)
         return y[:T]
 
 

@@ -101,7 +101,7 @@ def hlo_report(preset: str, pc: ParallelConfig, *, prefill_tokens: int, decode_b
     prefill = collective_bytes(sm.lower_logits(prefill_tokens).compile().as_text())
     c = sm.config
     block = max(8, max(c.compress_ratios) * c.candidate_block_size)
-    rc = RuntimeConfig(max_num_seqs=max(decode_batch, pc.data_parallel_size), max_num_batched_tokens=decode_batch,
+    rc = RuntimeConfig(max_num_seqs=decode_batch, max_num_batched_tokens=decode_batch,  # per dp rank
                        max_model_len=4 * block, block_size=block, token_buckets=(decode_batch,))
     runner = Runner(sm, rc, progress=False, placement=MeshPlacement(sm.mesh))
     decode: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
@@ -113,7 +113,7 @@ def hlo_report(preset: str, pc: ParallelConfig, *, prefill_tokens: int, decode_b
     return {"hlo_preset": preset,
             "prefill_tokens": prefill_tokens, "prefill_collectives": prefill,
             "prefill_collective_bytes_per_token": sum(v["bytes"] for v in prefill.values()) / prefill_tokens,
-            "decode_batch": decode_batch, "decode_step_collectives": dict(decode),
+            "decode_batch_per_dp_rank": decode_batch, "decode_step_collectives": dict(decode),
             "decode_collective_bytes_per_step": sum(v["bytes"] for v in decode.values())}
 
 

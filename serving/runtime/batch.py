@@ -21,8 +21,8 @@ from serving.runtime.decoder_replay import kept_rows
 class SeqChunk:
     """What the scheduler asks the runtime to compute for one request in one step."""
 
-    slot: int  # the request's row in the per-slot state (SWA rings, compressor tails)
-    block_table: Sequence[int]  # paged blocks covering positions [0, end)
+    slot: int  # the request's row in its rank's per-slot state (SWA rings, compressor tails)
+    block_table: Sequence[int]  # its rank's paged blocks covering positions [0, end)
     token_ids: Sequence[int]  # the request's tokens at positions [0, end)
     start: int  # first position computed in this step
     end: int  # one past the last position computed
@@ -31,6 +31,7 @@ class SeqChunk:
     trim: bool = False  # decoder replay: only the last `window` rows run the layers after the cut
     sample: bool = True  # produce logits for position end - 1
     row_logprobs: bool = False  # prompt logprobs: log-probabilities of every row's next token (needs trim off)
+    rank: int = 0  # the data-parallel rank holding the request's KV (slot and blocks are that rank's)
 
     @property
     def num_tokens(self) -> int:
@@ -87,10 +88,11 @@ def _tiles(first: np.ndarray, qlen: np.ndarray, tile: int, n_tiles: int) -> dict
 
 
 def build_step(chunks: Sequence[SeqChunk], buckets: Buckets, *, max_blocks: int, window: int, block_size: int,
-               engram_hashes: Callable[[SeqChunk], np.ndarray] | None = None, token_bucket: int | None = None,
-               kept_bucket: int | None = None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+               engram_hashes: Callable[[SeqChunk], np.ndarray] | None = None, engram_row_shape: tuple[int, ...] = (),
+               token_bucket: int | None = None, kept_bucket: int | None = None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """(segment-1 batch over every token, segment-2 batch over the kept rows); buckets may be forced
-    (ahead-of-time compilation builds example batches of each shape)."""
+    (ahead-of-time compilation builds example batches of each shape). `engram_hashes(chunk)`: the chunk's
+    Engram hash ids [q, *engram_row_shape]."""
     R = buckets.max_num_seqs
     if len(chunks) > R:
         raise ValueError(f"{len(chunks)} requests exceed max_num_seqs {R}")
@@ -140,9 +142,10 @@ def build_step(chunks: Sequence[SeqChunk], buckets: Buckets, *, max_blocks: int,
              # dynamic trip counts of the dense indexer loop, per compress ratio (index 0: ratio 1, 1: ratio 2)
              "n_iter": (-(-n_rows.max(axis=1) // rpb)).astype(np.int32)}
     if engram_hashes is not None:
-        h = np.concatenate(hashes) if hashes else np.zeros((0,), np.int32)
-        step1["engram"] = np.zeros((T, *h.shape[1:]), np.int32)
-        step1["engram"][: len(h)] = h
+        step1["engram"] = np.zeros((T, *engram_row_shape), np.int32)
+        if hashes:
+            h = np.concatenate(hashes)
+            step1["engram"][: len(h)] = h
     T2 = kept_bucket or buckets.token_bucket(len(kept_idx))
     kept = np.zeros(T2, np.int32)
     kept[: len(kept_idx)] = kept_idx

@@ -6,6 +6,11 @@ trimming), the sampler once. Every bucket is compiled ahead of time
 (`precompile`, with a progress bar); a step whose bucket was not compiled raises instead of compiling in
 the serving loop. One step = one host->device call per function and one device->host copy: the tokens
 (and, with `RuntimeConfig.expert_counts`, the MoE layers' per-expert token counts in the same copy).
+
+Data parallelism: with a `placement` of R data-parallel ranks (sharding.runtime.MeshPlacement) every rank
+has its own `max_num_seqs` slots, its own blocks and its own batch; a chunk says its rank (`SeqChunk.rank`)
+and uses that rank's slot and block ids. The step pads every rank's batch to the same buckets and runs them
+all in one call. `max_num_seqs`, `max_num_batched_tokens` and the KV memory are per rank (as vLLM's DP).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import dsv41
 from dsv41.layers.moe import set_kernel_impl
 from serving.runtime import kv_cache, segments
 from serving.runtime.batch import Buckets, SeqChunk, build_step, token_ladder
+from serving.runtime.decoder_replay import kept_rows
 from serving.runtime.kv_cache import CacheLayout
 from serving.runtime.sampler import sample, sampling_arrays
 from serving.sampling_params import SamplingParams
@@ -55,12 +61,12 @@ class StepOutput(NamedTuple):
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    max_num_seqs: int = 8
-    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 8  # per data-parallel rank
+    max_num_batched_tokens: int = 512  # per data-parallel rank
     max_model_len: int = 4096
     block_size: int = 64
     kv_cache_dtype: str = "auto"  # "auto": compute dtype (exact); "release": FP8 / NVFP4 / MXFP4 records
-    kv_cache_memory: int | None = None  # bytes; default: max_num_seqs requests of max_model_len
+    kv_cache_memory: int | None = None  # bytes per rank; default: max_num_seqs requests of max_model_len
     swa_bounded_replay: bool = True
     tile: int = 8
     fake_quant: bool = False
@@ -98,8 +104,8 @@ def check_supported(c: dsv41.ModelConfig) -> None:
 class Runner:
     def __init__(self, model: dsv41.Model, rc: RuntimeConfig = RuntimeConfig(), *, progress: bool = True,
                  placement=None):
-        """`placement` (e.g. sharding.runtime.MeshPlacement): `cache_shardings(shapes)` and a `replicated`
-        sharding for a model on a mesh; None: one device."""
+        """`placement` (sharding.runtime.MeshPlacement): a model on a mesh, run per data-parallel rank;
+        None: one device."""
         c = model.config
         check_supported(c)
         self.model, self.rc, self.config = model, rc, c
@@ -108,14 +114,13 @@ class Runner:
         if memory is None:
             blocks = rc.max_num_seqs * -(-rc.max_model_len // rc.block_size)
             memory = probe.bytes_per_slot() * rc.max_num_seqs + probe.bytes_per_block() * blocks
+        # One rank's cache; with R ranks the device arrays hold R of these one after another.
         self.layout = kv_cache.plan_layout(c, memory_bytes=memory, block_size=rc.block_size,
                                            num_slots=rc.max_num_seqs, max_model_len=rc.max_model_len,
                                            fmt=rc.kv_cache_dtype, dtype=model.dtype.name)
         self.placement = placement
-        cache_sh = placement.cache_shardings(self.layout.shapes()) if placement else None
-        self.cache = kv_cache.allocate(self.layout)
-        if placement:
-            self.cache = jax.device_put(self.cache, cache_sh)
+        self.ranks = placement.ranks if placement else 1
+        self.cache = placement.zeros(self.layout.shapes(), cache=True) if placement else kv_cache.allocate(self.layout)
         self.max_blocks = -(-rc.max_model_len // rc.block_size)
         ladder = tuple(sorted(rc.token_buckets)) if rc.token_buckets else token_ladder(rc.max_num_batched_tokens,
                                                                                         c.sliding_window)
@@ -127,7 +132,7 @@ class Runner:
         merge = functools.partial(_merge, graphdef, treedef)
         kw = dict(tile=rc.tile, fake_quant=rc.fake_quant, expert_counts=rc.expert_counts)
 
-        def seg1(leaves, cache, carry_buf, b):
+        def seg1(leaves, cache, carry_buf, b):  # one rank's cache, carry and batch
             with jax.named_scope("segment1"):
                 return segments.segment1(merge(leaves), self.layout, cache, carry_buf, b, **kw)
 
@@ -135,19 +140,27 @@ class Runner:
             with jax.named_scope("segment2"):
                 return segments.segment2(merge(leaves), self.layout, cache, carry_buf, b, **kw)
 
-        # The cache keeps its layout across steps; everything else a segment returns is replicated.
-        rep = placement.replicated if placement else None
-        self._fns = {"seg1": jax.jit(seg1, donate_argnums=(1, 2), out_shardings=(cache_sh, rep, rep) if rep else None),
-                     "seg2": jax.jit(seg2, donate_argnums=1, out_shardings=(cache_sh, rep, rep, rep) if rep else None),
-                     "sample": jax.jit(functools.partial(sample, max_top_k=rc.max_top_k))}
         # Segment 1 leaves its rows in a persistent buffer of the largest bucket, which segment 2 reads: the
         # kept-row gather then lives in segment 2 and no function is compiled per (tokens, kept rows) pair.
         top = self.buckets.tokens[-1]
-        b1, _ = self._example(top, top)
-        spec = jax.eval_shape(lambda lv, ca, b: seg1(lv, ca, None, b)[1], self._leaves, self.cache, b1)
-        self.carry_buf = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), spec)
+        b1, _ = self._build_rank([], token_bucket=top, kept_bucket=top)
+        spec = jax.eval_shape(lambda lv, ca, b: seg1(lv, ca, None, b)[1], self._leaves, self.layout.shapes(), b1)
+        sample_fn = functools.partial(sample, max_top_k=rc.max_top_k)
         if placement:
-            self.carry_buf = jax.device_put(self.carry_buf, placement.replicated)
+            self.carry_buf = placement.zeros(spec)
+            cache_sh, carry_sh = (jax.tree.map(lambda a: a.sharding, t) for t in (self.cache, self.carry_buf))
+            rep, rows2 = placement.replicated, placement.rows_sharding(2)
+            self._fns = {
+                "seg1": jax.jit(placement.per_rank(seg1, self._leaves, ("cache", "rows", "sum")), donate_argnums=(1, 2),
+                                out_shardings=(cache_sh, carry_sh, rep)),
+                # row logprobs replicated: every process can read them (they are zeros unless asked for)
+                "seg2": jax.jit(placement.per_rank(seg2, self._leaves, ("cache", "rows", "rows", "sum")),
+                                donate_argnums=1, out_shardings=(cache_sh, rows2, rep, rep)),
+                "sample": jax.jit(sample_fn, in_shardings=(rows2, rep), out_shardings=rep)}
+        else:
+            self.carry_buf = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), spec)
+            self._fns = {"seg1": jax.jit(_one_rank(seg1), donate_argnums=(1, 2)),
+                         "seg2": jax.jit(_one_rank(seg2), donate_argnums=1), "sample": jax.jit(sample_fn)}
         self._exe: dict[tuple, object] = {}
         self.progress = progress
         self.compile_seconds = 0.0
@@ -155,12 +168,35 @@ class Runner:
     # ----------------------------------------------------------------- compilation
     def _example(self, T: int, T2: int) -> tuple[dict, dict]:
         ch = SeqChunk(slot=0, block_table=[0], token_ids=[0], start=0, end=1)
-        return self._build([ch], token_bucket=T, kept_bucket=T2)
+        return self._build([ch], token_bucket=T, kept_bucket=T2)[:2]
 
-    def _build(self, chunks: Sequence[SeqChunk], **forced) -> tuple[dict, dict]:
-        hashes = self._engram_hashes if self.model.engram is not None else None
+    def _build_rank(self, chunks: Sequence[SeqChunk], **forced) -> tuple[dict, dict]:
+        eg = self.model.engram
+        engram = {} if eg is None else {"engram_hashes": self._engram_hashes,
+                                        "engram_row_shape": (len(eg.layer_ids), (eg.max_ngram - 1) * eg.n_heads)}
         return build_step(chunks, self.buckets, max_blocks=self.max_blocks, window=self.config.sliding_window,
-                          block_size=self.layout.block_size, engram_hashes=hashes, **forced)
+                          block_size=self.layout.block_size, **engram, **forced)
+
+    def _build(self, chunks: Sequence[SeqChunk], token_bucket: int | None = None, kept_bucket: int | None = None
+               ) -> tuple[dict, dict, np.ndarray, list[tuple[int, int]]]:
+        """(segment-1 batch, segment-2 batch) stacked over the ranks, every rank padded to the same buckets;
+        each chunk's logits row in the step's [ranks x max_num_seqs] rows and its (rank, index in the rank)."""
+        by_rank: list[list[SeqChunk]] = [[] for _ in range(self.ranks)]
+        where = []
+        for ch in chunks:
+            if not 0 <= ch.rank < self.ranks:
+                raise ValueError(f"request in slot {ch.slot}: rank {ch.rank} outside the {self.ranks} "
+                                 "data-parallel ranks")
+            where.append((ch.rank, len(by_rank[ch.rank])))
+            by_rank[ch.rank].append(ch)
+        W = self.config.sliding_window
+        T = token_bucket or self.buckets.token_bucket(max(sum(ch.num_tokens for ch in r) for r in by_rank))
+        T2 = kept_bucket or self.buckets.token_bucket(
+            max(sum(kept_rows(ch.num_tokens, ch.end, ch.kv_floor, W, ch.trim)[0] for ch in r) for r in by_rank))
+        built = [self._build_rank(r, token_bucket=T, kept_bucket=T2) for r in by_rank]
+        b1, b2 = ({k: np.stack([np.asarray(b[i][k]) for b in built]) for k in built[0][i]} for i in (0, 1))
+        rows = np.array([r * self.rc.max_num_seqs + j for r, j in where], np.int32)
+        return b1, b2, rows, where
 
     def _engram_hashes(self, ch: SeqChunk) -> np.ndarray:
         """Hash ids of the chunk's rows; the look-back reaches (max_ngram - 1) tokens before the chunk, so
@@ -193,15 +229,14 @@ class Runner:
         name = key[0]
         if name == "seg1":
             b1, _ = self._example(key[1], key[1])
-            self._compile(key, "seg1", self._leaves, self.cache, self.carry_buf, b1)
+            self._compile(key, "seg1", self._leaves, self.cache, self.carry_buf, self._put(b1))
         elif name == "seg2":
             _, b2 = self._example(key[1], key[1])
-            self._compile(key, "seg2", self._leaves, self.cache, self.carry_buf, b2)
+            self._compile(key, "seg2", self._leaves, self.cache, self.carry_buf, self._put(b2))
         elif name == "sample":
-            R, V = self.rc.max_num_seqs, self.config.vocab_size
+            R, V = self.ranks * self.rc.max_num_seqs, self.config.vocab_size
             p = sampling_arrays([], [], R, 0)
-            self._compile(key, "sample", jax.ShapeDtypeStruct((R, V), jnp.float32, sharding=self.placement and
-                                                              self.placement.replicated), p)
+            self._compile(key, "sample", jax.ShapeDtypeStruct((R, V), jnp.float32), p)
         else:
             raise ValueError(f"unknown bucket key {key}; keys are ('seg1', T), ('seg2', T), ('sample',)")
 
@@ -213,12 +248,13 @@ class Runner:
 
     def kv_report(self) -> dict:
         """Bytes of the live cache arrays: per token of the paged (prefix-cacheable) groups, per request slot
-        of the private ones (SWA rings, tails)."""
-        L = self.layout
+        of the private ones (SWA rings, tails); `total_bytes` over every data-parallel rank."""
+        L, n = self.layout, self.ranks
         paged = sum(a.nbytes for g in ("rows", "keys") for a in self.cache[g].values())
         private = sum(a.nbytes for g in ("swa", "tail") for a in self.cache[g].values())
-        return {**L.report(), "global_bytes_per_token": paged / (L.num_blocks * L.block_size),
-                "swa_and_tail_bytes_per_request": private / L.num_slots, "total_bytes": paged + private}
+        return {**L.report(), "data_parallel_ranks": n,
+                "global_bytes_per_token": paged / (n * L.num_blocks * L.block_size),
+                "swa_and_tail_bytes_per_request": private / (n * L.num_slots), "total_bytes": paged + private}
 
     def reload_params(self) -> None:
         """Take the model module's current parameter values (e.g. after an EPLB weight migration) for the next
@@ -236,43 +272,62 @@ class Runner:
         self._leaves = leaves
 
     # ------------------------------------------------------------------ execution
-    def forward(self, chunks: Sequence[SeqChunk]) -> jax.Array:
-        """Run one step; the logits [max_num_seqs, vocab] of each request's last row (device array)."""
-        return self._segments(chunks)[1]
+    def _put(self, tree):
+        """Host arrays onto the devices: rank-stacked batches split over the ranks (one device: as they are)."""
+        return self.placement.put_batch(tree) if self.placement else tree
 
-    def _segments(self, chunks: Sequence[SeqChunk]) -> tuple[dict, jax.Array, tuple, tuple]:
-        """(segment 2's batch, logits, row logprobs, the two segments' expert counts (None when off))."""
+    def forward(self, chunks: Sequence[SeqChunk]) -> jax.Array:
+        """Run one step; the logits [len(chunks), vocab] of each chunk's last row (device array)."""
+        _, logits, _, _, rows, _ = self._segments(chunks)
+        return logits[jnp.asarray(rows)]
+
+    def _segments(self, chunks: Sequence[SeqChunk]):
+        """(segment 2's batch, logits [ranks x max_num_seqs, V], row logprobs, the two segments' expert counts
+        (None when off), each chunk's logits row, each chunk's (rank, index in the rank))."""
         with jax.profiler.TraceAnnotation("runner.build"):
-            b1, b2 = self._build(chunks)
-        T, T2 = len(b1["ids"]), len(b2["kept"])
+            b1, b2, rows, where = self._build(chunks)
+        T, T2 = b1["ids"].shape[1], b2["kept"].shape[1]
         with jax.profiler.TraceAnnotation("runner.segment1"):
             self.cache, self.carry_buf, counts1 = self._exe_for(("seg1", T))(self._leaves, self.cache,
-                                                                             self.carry_buf, b1)
+                                                                             self.carry_buf, self._put(b1))
         with jax.profiler.TraceAnnotation("runner.segment2"):
-            self.cache, logits, rows, counts2 = self._exe_for(("seg2", T2))(self._leaves, self.cache,
-                                                                            self.carry_buf, b2)
-        return b2, logits, rows, (counts1, counts2)
+            self.cache, logits, row_lp, counts2 = self._exe_for(("seg2", T2))(self._leaves, self.cache,
+                                                                              self.carry_buf, self._put(b2))
+        return b2, logits, row_lp, (counts1, counts2), rows, where
 
     def step(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams | None],
              banned: Sequence[Sequence[int]] | None = None) -> StepOutput:
         """Run one step and sample each request's next token; row logprobs for chunks that ask for them."""
-        b2, logits, rows, counts = self._segments(chunks)
-        p = sampling_arrays(list(params), [ch.end for ch in chunks], self.rc.max_num_seqs, self.rc.seed,
-                            banned=None if banned is None else list(banned))
+        b2, logits, row_lp, counts, rows, where = self._segments(chunks)
+        n_rows = self.ranks * self.rc.max_num_seqs
+        at = {int(r): i for i, r in enumerate(rows)}  # logits row -> chunk
+        p = sampling_arrays([params[at[r]] if r in at else None for r in range(n_rows)],
+                            [chunks[at[r]].end if r in at else 0 for r in range(n_rows)], n_rows, self.rc.seed,
+                            banned=None if banned is None else [list(banned[at[r]]) if r in at else []
+                                                                for r in range(n_rows)])
         with jax.profiler.TraceAnnotation("runner.sample"):
-            sampled = self._exe_for(("sample",))(logits, p)
-        n = len(chunks)
+            sampled = self._exe_for(("sample",))(logits, self._put_replicated(p))
         sampled, counts = jax.device_get((tuple(sampled), counts if self.rc.expert_counts else None))
-        tok, logprob, top_ids, top_lp = (a[:n] for a in sampled)
+        tok, logprob, top_ids, top_lp = (a[rows] for a in sampled)
         expert_counts = np.concatenate(counts) if counts is not None else None
         out = {}
-        if b2["rows_wanted"]:
-            lp, ids, tlp = (np.asarray(a) for a in rows)
-            for i, ch in enumerate(chunks):
+        if b2["rows_wanted"].any():
+            T2 = b2["kept"].shape[1]
+            lp, ids, tlp = (np.asarray(a) for a in row_lp)
+            for i, (ch, (r, j)) in enumerate(zip(chunks, where)):
                 if ch.row_logprobs:
-                    sl = slice(b2["req_kept_first"][i], b2["req_kept_first"][i] + b2["req_kept_qlen"][i])
+                    first = r * T2 + b2["req_kept_first"][r, j]
+                    sl = slice(first, first + b2["req_kept_qlen"][r, j])
                     out[i] = RowLogprobs(lp[sl], ids[sl], tlp[sl])
         return StepOutput(tok, logprob, top_ids, top_lp, out, expert_counts)
+
+    def _put_replicated(self, tree):
+        return self.placement.put_replicated(tree) if self.placement else tree
+
+
+def _one_rank(fn):
+    """A rank function over batches stacked for one rank (no mesh): the batch's rank dimension dropped."""
+    return lambda leaves, cache, carry, b: fn(leaves, cache, carry, jax.tree.map(lambda a: a[0], b))
 
 
 def _spec(a) -> jax.ShapeDtypeStruct:

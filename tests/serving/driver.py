@@ -22,23 +22,29 @@ class Req:
     computed: int
     schedule: list[tuple[int, int]] = field(default_factory=list)  # (start, end) of every step
     keep_all: bool = False  # e.g. prompt logprobs: no decoder-replay trimming
+    rank: int = 0  # data-parallel rank holding its KV
 
 
 class Driver:
     def __init__(self, runner: Runner, *, prefix_caching: bool = True):
         self.runner = runner
         self.bounded = runner.rc.swa_bounded_replay
-        self.bm = BlockManager(runner.layout.num_blocks, runner.layout.block_size, prefix_caching)
+        # one block pool and slot list per data-parallel rank
+        self.bms = [BlockManager(runner.layout.num_blocks, runner.layout.block_size, prefix_caching)
+                    for _ in range(runner.ranks)]
+        self.bm = self.bms[0]
         self.reqs: dict[str, Req] = {}
-        self.free_slots = list(range(runner.rc.max_num_seqs))
+        self.free_slots = [list(range(runner.rc.max_num_seqs)) for _ in range(runner.ranks)]
 
-    def start(self, rid: str, prompt: list[int], keep_all: bool = False) -> PrefixPlan:
-        hit = self.bm.lookup(prompt[:-1])
+    def start(self, rid: str, prompt: list[int], keep_all: bool = False, rank: int = 0) -> PrefixPlan:
+        bm = self.bms[rank]
+        hit = bm.lookup(prompt[:-1])
         plan = plan_prefix_hit(hit.num_tokens, self.runner.config, self.bounded)
         if plan.hit_tokens < hit.num_tokens:
-            hit = type(hit)(plan.hit_tokens, hit.block_ids[: plan.hit_tokens // self.bm.block_size])
-        self.bm.admit(rid, prompt, hit)
-        self.reqs[rid] = Req(list(prompt), self.free_slots.pop(0), plan, plan.replay_start, keep_all=keep_all)
+            hit = type(hit)(plan.hit_tokens, hit.block_ids[: plan.hit_tokens // bm.block_size])
+        bm.admit(rid, prompt, hit)
+        self.reqs[rid] = Req(list(prompt), self.free_slots[rank].pop(0), plan, plan.replay_start, keep_all=keep_all,
+                             rank=rank)
         return plan
 
     def step(self, work: dict[str, int]) -> dict[str, np.ndarray]:
@@ -46,18 +52,19 @@ class Driver:
         chunks = []
         for rid, n in work.items():
             r = self.reqs[rid]
+            bm = self.bms[r.rank]
             start, end = r.computed, min(r.computed + n, len(r.tokens))
-            assert self.bm.allocate(rid, end), "out of blocks"
-            chunks.append(SeqChunk(slot=r.slot, block_table=self.bm.block_table(rid), token_ids=r.tokens[:end],
+            assert bm.allocate(rid, end), "out of blocks"
+            chunks.append(SeqChunk(slot=r.slot, block_table=bm.block_table(rid), token_ids=r.tokens[:end],
                                    start=start, end=end, kv_floor=r.plan.replay_start, write_floor=r.plan.write_floor,
-                                   trim=self.bounded and not r.keep_all))
+                                   trim=self.bounded and not r.keep_all, rank=r.rank))
             r.schedule.append((start, end))
         logits = np.asarray(self.runner.forward(chunks))
         out = {}
         for i, rid in enumerate(work):
             r = self.reqs[rid]
             r.computed = chunks[i].end
-            self.bm.commit(rid, r.tokens, r.computed)
+            self.bms[r.rank].commit(rid, r.tokens, r.computed)
             out[rid] = logits[i]
         return out
 
@@ -65,5 +72,6 @@ class Driver:
         self.reqs[rid].tokens.append(int(token))
 
     def finish(self, rid: str) -> None:
-        self.bm.free(rid)
-        self.free_slots.append(self.reqs.pop(rid).slot)
+        r = self.reqs.pop(rid)
+        self.bms[r.rank].free(rid)
+        self.free_slots[r.rank].append(r.slot)

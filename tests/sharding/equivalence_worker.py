@@ -32,6 +32,8 @@ def main() -> None:
     ap.add_argument("--dispatch-reference", action="store_true",
                     help="also compare with the same expert dispatch on one device")
     ap.add_argument("--eplb", action="store_true", help="also: DEP8 with EPLB placements (redundant experts)")
+    ap.add_argument("--dp-batches", default="none", help="layouts also checked with several requests on different "
+                                                           "data-parallel ranks in the same steps (comma list)")
     ap.add_argument("--decode-layouts", default="all", help="layouts also checked through the runtime ('all', "
                                                              "'none' or a comma list)")
     args = ap.parse_args()
@@ -81,12 +83,48 @@ def main() -> None:
             if ref_dispatch is not None:
                 res["decode_vs_one_device_dispatch"] = float(np.abs(np.stack(got) - ref_dispatch[PROMPT - 1:]).max())
             res["cache_spec"] = str(runner.cache["swa"][0].sharding.spec)
+        if name in args.dp_batches.split(","):
+            res["dp_batches"] = dp_batches_check(model, sm, rc)
         res.update(layout=sm.parallel.describe(), replicated_fallbacks=sm.replicated_fallbacks,
                    seconds=round(time.perf_counter() - t0, 1))
         out[name] = res
     if args.eplb:
         out["eplb"] = eplb_check(model, tokens, ref)
     print(json.dumps(out))
+
+
+def dp_batches_check(model, sm, rc) -> dict:
+    """Requests of different lengths on different data-parallel ranks (two on the last rank, none on some),
+    prefilled in one step and decoded together: each request's logits are its own single-device ones, and the
+    KV cache holds rows only in the (rank, slot) pairs of the requests (each rank holds only its requests' KV)."""
+    from serving.runtime.runner import Runner
+    from sharding.runtime import MeshPlacement
+    from tests.serving.driver import Driver
+
+    runner = Runner(sm, rc, progress=False, placement=MeshPlacement(sm.mesh))
+    ranks = runner.ranks
+    runner.precompile([("seg1", PROMPT), ("seg2", PROMPT), ("seg1", 4), ("seg2", 4)])
+    rng = np.random.default_rng(5)
+    reqs = {"a": (0, 11), "b": (ranks - 1, 16), "c": (ranks - 1, 5)}  # name -> (rank, prompt length)
+    tokens = {n: [int(t) for t in rng.integers(3, model.config.vocab_size - 1, L + DECODE)] for n, (_, L) in reqs.items()}
+    d = Driver(runner)
+    for n, (rank, L) in reqs.items():
+        d.start(n, tokens[n][:L], rank=rank)
+    got = {n: [v] for n, v in d.step({n: L for n, (_, L) in reqs.items() if n != "c"}).items()}
+    got["c"] = [d.step({"c": 5})["c"]]  # a prefill alone on a rank while the others idle
+    for i in range(DECODE):
+        for n, (_, L) in reqs.items():
+            d.append(n, tokens[n][L + i])
+        for n, v in d.step({n: 1 for n in reqs}).items():
+            got[n].append(v)
+    err = {}
+    for n, (_, L) in reqs.items():
+        ref = model.logits(np.array(tokens[n]))[L - 1:]
+        err[n] = float(np.abs(np.stack(got[n]) - ref).max())
+    swa = np.asarray(runner.cache["swa"][0]).reshape(ranks, rc.max_num_seqs, -1)
+    written = sorted((int(r), int(s)) for r, s in zip(*np.nonzero(np.abs(swa).max(axis=-1))))
+    held = sorted((d.reqs[n].rank, d.reqs[n].slot) for n in reqs)
+    return {"max_abs_err": err, "ranks": ranks, "kv_written_rank_slot": written, "requests_rank_slot": held}
 
 
 def eplb_check(model, tokens, ref) -> dict:

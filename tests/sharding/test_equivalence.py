@@ -1,6 +1,6 @@
 """The sharded layouts give the single-device logits (prefill through ShardedModel.logits, decode through
-the runtime's cache on the mesh), on 8 virtual CPU devices in a subprocess (this process may have
-initialised jax with another device count).
+the runtime's cache on the mesh, and several requests on different data-parallel ranks in the same steps),
+on 8 virtual CPU devices in a subprocess (this process may have initialised jax with another device count).
 
 Budget: the suite runs tiny's four layouts for prefill and TP4 / DEP8 through the runtime, and small's
 DEP dp=2 x ep=4 prefill; `python -m tests.sharding.equivalence_worker --preset small` runs the rest."""
@@ -28,7 +28,7 @@ def _worker(*args: str) -> dict:
 @pytest.fixture(scope="module")
 def tiny():
     return _worker("--preset", "tiny", "--layouts", "tp4,dep2x4,dep4x2,dep8x8", "--decode-layouts", "tp4,dep8x8",
-                   "--eplb")
+                   "--dp-batches", "dep4x2,dep8x8", "--eplb")
 
 
 @pytest.mark.parametrize("layout", ["tp4", "dep2x4", "dep4x2", "dep8x8"])
@@ -41,6 +41,16 @@ def test_tiny_decode_with_runtime_cache(tiny, layout):
     r = tiny[layout]
     assert r["decode_max_abs_err"] <= TOL, r
     assert ("dp_ep" in r["cache_spec"]) == layout.startswith("dep")  # KV per dp rank vs replicated under TP
+
+
+@pytest.mark.parametrize("layout", ["dep4x2", "dep8x8"])
+def test_tiny_requests_on_different_dp_ranks(tiny, layout):
+    """Per-rank batches: three requests (two on the last rank) prefilled and decoded in shared steps each get
+    their single-device logits, and the KV cache was written only in the requests' own (rank, slot) pairs.
+    dep4x2 splits the experts' intermediate dimension over two dp ranks (the token gather path)."""
+    r = tiny[layout]["dp_batches"]
+    assert max(r["max_abs_err"].values()) <= TOL, r
+    assert r["kv_written_rank_slot"] == r["requests_rank_slot"] and r["ranks"] == int(layout[3]), r
 
 
 def test_small_prefill_dep():
