@@ -24,14 +24,14 @@ def parser() -> argparse.ArgumentParser:
     a("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     a("--dtype", default="float32", choices=["float32", "bfloat16"])
     a("--seed", type=int, default=0, help="random weights of presets, and the engine's sampling seed")
-    a("--max-num-seqs", type=int, default=32)
-    a("--max-num-batched-tokens", type=int, default=512)
+    a("--max-num-seqs", type=int, default=32, help="running requests per data-parallel rank")
+    a("--max-num-batched-tokens", type=int, default=512, help="tokens per step per data-parallel rank")
     a("--max-model-len", type=int, default=4096)
     a("--block-size", type=int, default=64)
     a("--kv-cache-dtype", default="auto", choices=["auto", "release"],
       help="auto: compute dtype; release: FP8 SWA / NVFP4 global / MXFP4 indexer records")
-    a("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache (default: max-num-seqs requests "
-                                                       "of max-model-len)")
+    a("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache per data-parallel rank (default: "
+                                                       "max-num-seqs requests of max-model-len)")
     a("--token-buckets", type=_int_list, default=None,
       help="comma-separated step sizes to compile (default: powers of two, then window multiples 1-2-3-4-6-8...)")
     a("--swa-bounded-replay", action=argparse.BooleanOptionalAction, default=True)
@@ -46,6 +46,9 @@ def parser() -> argparse.ArgumentParser:
     from sharding.mesh import ParallelConfig
 
     ParallelConfig.add_arguments(p)
+    p.add_argument("--dp-routing-policy", default="sticky", choices=["sticky", "load"],
+                   help="data-parallel ranks: keep a session (X-Session-ID, else its prompt's first tokens) on the "
+                        "rank holding its prefix cache unless saturated (sticky), or always the least-loaded rank")
     g = p.add_argument_group("expert load balancing (EPLB; needs --enable-expert-parallel)")
     g.add_argument("--enable-eplb", action="store_true",
                    help="record per-expert load every step and rearrange the experts over the expert-parallel "
@@ -86,7 +89,8 @@ def main(argv: list[str] | None = None) -> None:
                                  scheduling_policy=args.scheduling_policy, seed=args.seed,
                                  token_buckets=args.token_buckets, eplb=args.enable_eplb,
                                  eplb_window_size=args.eplb_window_size, eplb_step_interval=args.eplb_step_interval,
-                                 eplb_num_redundant_experts=args.eplb_num_redundant_experts)
+                                 eplb_num_redundant_experts=args.eplb_num_redundant_experts,
+                                 dp_routing_policy=args.dp_routing_policy)
     except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")
     name = args.served_model_name or src.name
@@ -108,7 +112,8 @@ def main(argv: list[str] | None = None) -> None:
         f"(cached in {args.compilation_cache_dir or 'memory only'}) ...")
     engine = Engine(model, src.tokenizer, engine_args, model_name=name, progress=True, placement=placement)
     kv = engine.runner.kv_report()
-    say(f"KV cache: {engine.blocks.num_blocks} blocks of {args.block_size} tokens, "
+    per_rank = f" ({engine.runner.ranks} data-parallel ranks)" if engine.runner.ranks > 1 else ""
+    say(f"KV cache: {engine.scheduler.num_blocks} blocks of {args.block_size} tokens{per_rank}, "
         f"{kv['total_bytes'] / 2**20:.1f} MiB; {len(engine.runner.buckets.tokens)} token buckets "
         f"compiled in {engine.runner.compile_seconds:.1f}s")
     aengine = AsyncEngine(engine)

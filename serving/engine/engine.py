@@ -16,15 +16,16 @@ import jax
 import numpy as np
 
 import dsv41
+from serving.engine.dp_scheduler import DataParallelScheduler
 from serving.engine.eplb import EngineEplb
 from serving.engine.metrics import EngineMetrics
 from serving.engine.output import OutputState
 from serving.engine.request import Request, RequestOutput, TokenLogprob
-from serving.engine.scheduler import Scheduled, Scheduler, SchedulerConfig
+from serving.engine.scheduler import Scheduled, SchedulerConfig
 from serving.runtime.batch import SeqChunk
-from serving.runtime.block_manager import BlockManager
 from serving.runtime.runner import Runner, RuntimeConfig, StepOutput
 from serving.sampling_params import SamplingParams
+from sharding.dp_router import POLICIES
 from sharding.eplb import EplbConfig
 
 log = logging.getLogger("serving.engine")
@@ -53,8 +54,11 @@ class EngineArgs:
     eplb_window_size: int = 1000  # steps of per-expert load the rearrangement looks at
     eplb_step_interval: int = 3000  # steps between rearrangements
     eplb_num_redundant_experts: int = 0  # extra expert slots (over all ranks) for replicas of hot experts
+    dp_routing_policy: str = "sticky"  # data-parallel ranks: "sticky" (session / prefix owner) or "load"
 
     def __post_init__(self):
+        if self.dp_routing_policy not in POLICIES:
+            raise ValueError(f"dp_routing_policy {self.dp_routing_policy!r}: choose one of {POLICIES}")
         if self.eplb:
             self.eplb_config()  # refuse bad EPLB numbers when the arguments are built
 
@@ -81,8 +85,9 @@ class EngineArgs:
 class Engine:
     def __init__(self, model: dsv41.Model, tokenizer=None, args: EngineArgs = EngineArgs(), *,
                  model_name: str = "dsv41", progress: bool = True, placement=None):
-        """`model` may be a `sharding.model.ShardedModel` with its `sharding.runtime.MeshPlacement` (and then
-        `args.eplb` balances its experts)."""
+        """`model` may be a `sharding.model.ShardedModel` with its `sharding.runtime.MeshPlacement` (then each
+        data-parallel rank has its own slots, blocks and batch, requests are routed to ranks by
+        `args.dp_routing_policy`, and `args.eplb` balances the experts)."""
         self.model, self.tokenizer, self.args = model, tokenizer, args
         self.metrics = EngineMetrics(model_name)
         # before the runner: EPLB's first placement is part of the graph the runner compiles
@@ -90,9 +95,10 @@ class Engine:
         self.runner = Runner(model, args.runtime_config(), progress=progress, placement=placement)
         self.runner.precompile()
         layout = self.runner.layout
-        self.blocks = BlockManager(layout.num_blocks, layout.block_size, args.enable_prefix_caching)
-        self.scheduler = Scheduler(args.scheduler_config(), model.config, self.blocks)
-        self.metrics.total_blocks.set(layout.num_blocks)
+        self.scheduler = DataParallelScheduler(args.scheduler_config(), model.config, num_blocks=layout.num_blocks,
+                                               block_size=layout.block_size, ranks=self.runner.ranks,
+                                               routing_policy=args.dp_routing_policy)
+        self.metrics.total_blocks.set(self.scheduler.num_blocks)
         self.requests: dict[str, Request] = {}
         self._out: dict[str, OutputState] = {}
         self._prompt_lp: dict[str, list] = {}
@@ -124,9 +130,11 @@ class Engine:
                              f"({len(prompt) + max_tokens} in all)")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
-        blocks = -(-(len(prompt) + max_tokens) // self.blocks.block_size)
-        if blocks > self.blocks.num_blocks:
-            raise ValueError(f"the request needs up to {blocks} KV blocks; the cache has {self.blocks.num_blocks}")
+        blocks = -(-(len(prompt) + max_tokens) // self.scheduler.block_size)
+        if blocks > self.scheduler.blocks_per_rank:
+            raise ValueError(f"the request needs up to {blocks} KV blocks; the cache has "
+                             f"{self.scheduler.blocks_per_rank}" + (" per data-parallel rank" if self.runner.ranks > 1
+                                                                    else ""))
         if params.seed is None and not params.greedy:
             params = dataclasses.replace(params, seed=int(self._rng.integers(2**31)))  # independent streams
         params = dataclasses.replace(params, max_tokens=max_tokens)
@@ -172,8 +180,9 @@ class Engine:
 
     def _chunk(self, s: Scheduled) -> SeqChunk:
         req = s.request
-        return SeqChunk(slot=req.slot, block_table=self.blocks.block_table(req.request_id), token_ids=req.token_ids,
-                        start=s.start, end=s.end, kv_floor=req.plan.replay_start, write_floor=req.plan.write_floor,
+        return SeqChunk(slot=req.slot, block_table=self.scheduler.block_table(req), token_ids=req.token_ids,
+                        rank=req.rank, start=s.start, end=s.end, kv_floor=req.plan.replay_start,
+                        write_floor=req.plan.write_floor,
                         trim=self.args.swa_bounded_replay and not req.keeps_all_rows, sample=s.sample,
                         row_logprobs=req.keeps_all_rows and req.request_id in self._prompt_lp
                         and s.start < req.num_prompt - 1)
@@ -237,8 +246,8 @@ class Engine:
         req.finish_reason, req.stop_reason = reason, stop_reason
         self.metrics.e2e.observe(time.monotonic() - req.arrival)
         self.metrics.finished(reason)
-        log.info("finished %s session=%s reason=%s prompt=%d cached=%d output=%d preemptions=%d",
-                 req.request_id, req.session_id, reason, req.num_prompt, req.cached_tokens, req.num_output,
+        log.info("finished %s session=%s rank=%s reason=%s prompt=%d cached=%d output=%d preemptions=%d",
+                 req.request_id, req.session_id, req.rank, reason, req.num_prompt, req.cached_tokens, req.num_output,
                  req.num_preemptions)
         return RequestOutput(req.request_id, new_ids or [], text + tail, True, reason, stop_reason,
                              **self._counts(req))
@@ -252,8 +261,10 @@ class Engine:
         m, sch = self.metrics, self.scheduler
         m.running.set(len(sch.running))
         m.waiting.set(sch.num_waiting)
-        m.kv_usage.set(self.blocks.usage)
-        m.free_blocks.set(self.blocks.num_free_blocks)
+        m.kv_usage.set(sch.usage)
+        m.free_blocks.set(sch.num_free_blocks)
+        for rank, n in enumerate(sch.rank_requests()):
+            m.rank_requests(rank).set(n)
         m.preemptions.inc(sch.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = sch.num_preemptions
 

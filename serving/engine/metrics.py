@@ -43,6 +43,11 @@ class EngineMetrics:
         self.e2e = h("vllm:e2e_request_latency_seconds", "Arrival to finish.", _LATENCY)
         self._success = Counter("vllm:request_success", "Finished requests by reason.",
                                 labelnames=["model_name", "finished_reason"], registry=r)
+        self._rank_requests = Gauge("dsv41:dp_rank_requests", "Requests in flight (waiting or running) on a "
+                                    "data-parallel rank.", labelnames=["model_name", "rank"], registry=r)
+
+    def rank_requests(self, rank: int):
+        return self._rank_requests.labels(self._m, str(rank))
 
     def add_eplb(self, n_layers: int) -> None:
         """The expert load balancer's metrics (only engines with EPLB on export them)."""

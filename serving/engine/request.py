@@ -39,6 +39,7 @@ class Request:
     token_ids: list[int] = field(init=False)  # prompt + output; the runtime reads it in place
     status: Status = Status.WAITING
     num_computed: int = 0  # positions whose KV is in the cache
+    rank: int | None = None  # data-parallel rank (its slot and blocks are that rank's), set when queued
     slot: int | None = None
     plan: PrefixPlan | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)

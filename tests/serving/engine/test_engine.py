@@ -35,7 +35,7 @@ def args(model):
 @pytest.fixture(scope="module")
 def engine(model, args):
     eng = Engine(model, None, args, progress=False)
-    assert eng.blocks.num_blocks == 12
+    assert eng.scheduler.num_blocks == 12
     return eng
 
 
@@ -69,7 +69,7 @@ def test_same_output_alone_batched_and_preempted(engine, params):
         toks, lps = alone[i][0][0], alone[i][1][0]
         assert trio[i] == toks and (i == 2 or pair[i] == toks)
         np.testing.assert_allclose(trio_lp[i], lps, atol=1e-4)
-    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert engine.scheduler.num_free_blocks == engine.scheduler.num_blocks
 
 
 def test_prompt_logprobs_match_the_full_forward(engine):
@@ -95,7 +95,7 @@ def test_abort_frees_blocks_and_prefix_cache_hits(engine):
         engine.step()  # 32 + 32 + 16 prompt tokens: 10 full blocks registered
     out = engine.abort("a")
     assert out.finished and out.finish_reason == "abort"
-    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks and not engine.has_unfinished()
+    assert engine.scheduler.num_free_blocks == engine.scheduler.num_blocks and not engine.has_unfinished()
     engine.add_request("b", p[:75] + [5, 6], SamplingParams(temperature=0, max_tokens=2))
     outs = []
     while engine.has_unfinished():

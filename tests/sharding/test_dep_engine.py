@@ -1,8 +1,9 @@
-"""EPLB in the serving engine on 8 virtual CPU devices (a subprocess: this process may have initialised jax
-with another device count): DEP8 tiny with 8 redundant expert slots rearranges every `interval` steps, the
-weights migrate between steps without recompiling, the greedy outputs are the single-device engine's, and
-the balancedness and rearrangement count are in the rendered /metrics registry. Also: EPLB without expert
-parallelism is refused by name."""
+"""The serving engine on DEP8 (8 virtual CPU devices, in a subprocess: this process may have initialised jax
+with another device count): requests routed to data-parallel ranks, each rank with its own slots, blocks
+and prefix cache, give the single-device engine's greedy outputs; a session's second turn goes back to its
+rank and hits the prefix cache there. EPLB (8 redundant expert slots) rearranges every `interval` steps,
+the weights migrate between steps without recompiling, and the balancedness and rearrangement count are in
+the rendered /metrics registry. Also: EPLB without expert parallelism is refused by name."""
 
 import json
 import os
@@ -17,7 +18,7 @@ import pytest
 import dsv41
 from serving.engine.engine import Engine, EngineArgs
 from tests.conftest import XLA_CACHE
-from tests.sharding.eplb_engine_worker import INTERVAL
+from tests.sharding.dep_engine_worker import INTERVAL
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,11 +26,23 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def served():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-m", "tests.sharding.eplb_engine_worker", "--compilation-cache-dir",
+    proc = subprocess.run([sys.executable, "-m", "tests.sharding.dep_engine_worker", "--compilation-cache-dir",
                            str(XLA_CACHE)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_data_parallel_ranks_serve_sessions_where_their_cache_is(served):
+    assert served["eplb"] == served["ref"] and served["dep_turn2"] == served["ref_turn2"]
+    ranks = served["ranks"]
+    first = [ranks[f"s{i}-t1"] for i in range(3)]
+    assert len(set(first)) == 3  # new sessions go to the least-loaded ranks
+    assert [ranks[f"s{i}-t2"] for i in range(3)] == first  # sticky: each session's second turn on its rank
+    # the second turns hit their rank's prefix cache exactly as the single-device engine's one cache
+    assert served["dep_turn2"]["cached"] == served["ref_turn2"]["cached"] and max(served["dep_turn2"]["cached"]) > 0
+    per_rank = [ln for ln in served["metrics"] if ln.startswith("dsv41:dp_rank_requests{")]
+    assert len(per_rank) == 8 and all(ln.endswith(" 0.0") for ln in per_rank)  # all finished
 
 
 def test_rearranges_every_interval_with_greedy_outputs_unchanged(served):
@@ -44,7 +57,7 @@ def test_rearranges_every_interval_with_greedy_outputs_unchanged(served):
 
 
 def test_metrics_rendered(served):
-    lines = served["metrics"]
+    lines = [ln for ln in served["metrics"] if ln.startswith("dsv41:eplb_")]
 
     def value(pattern):
         hits = [float(ln.rsplit(" ", 1)[1]) for ln in lines if re.match(pattern, ln)]

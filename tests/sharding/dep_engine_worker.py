@@ -1,11 +1,13 @@
-"""Run in a subprocess with 8 virtual CPU devices: the engine with EPLB on the DEP8 tiny model (8 experts,
-8 redundant slots: two per rank) against the single-device engine without it, same greedy requests.
+"""Run in a subprocess with 8 virtual CPU devices: the engine on the DEP8 tiny model (8 data-parallel ranks,
+EPLB with 8 experts in 16 slots) against the single-device engine, same greedy requests: a first turn of
+three sessions (routed to ranks by the sticky DP router), then a second turn of each session whose prompt
+extends the first turn's (it must land on the same rank and hit that rank's prefix cache).
 
-Prints one JSON object: both engines' tokens, the steps after which EPLB rearranged and the placements,
-the compiled buckets before and after serving, whether the runner runs the migrated weights, and the
-rendered `dsv41:eplb_*` metric lines.
+Prints one JSON object: both engines' tokens and cached-token counts per turn, each request's rank, the
+steps after which EPLB rearranged and the placements, the compiled buckets before and after serving,
+whether the runner runs the migrated weights, and the rendered `dsv41:*` metric lines.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.sharding.eplb_engine_worker
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.sharding.dep_engine_worker
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import json
 
 import numpy as np
 
-INTERVAL, WINDOW, PROMPTS, MAX_TOKENS = 3, 4, (12, 9, 14), 6
+INTERVAL, WINDOW, PROMPTS, MAX_TOKENS = 3, 4, (60, 58, 62), 6  # turn 2 hits 64 tokens (> the 56 replayed)
 
 
 def main() -> None:
@@ -39,13 +41,16 @@ def main() -> None:
     model = dsv41.random_model("tiny", seed=1)
     c = model.config
     block = max(8, max(c.compress_ratios) * c.candidate_block_size)  # whole candidate blocks per page
-    base = EngineArgs(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, block_size=block,
+    base = EngineArgs(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, block_size=block,
                       token_buckets=(16,), swa_bounded_replay=False)
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(3, c.vocab_size - 1, n)] for n in PROMPTS]
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
-    ref = _serve(Engine(model, None, base, progress=False), prompts, greedy)
+    ref_engine = Engine(model, None, base, progress=False)
+    ref = _serve(ref_engine, prompts, greedy)
+    turn2 = [p + out + [int(t) for t in rng.integers(3, c.vocab_size - 1, 5)] for p, out in zip(prompts, ref["tokens"])]
+    ref2 = _serve(ref_engine, turn2, greedy, turn=2)
 
     sm = ShardedModel(model, ParallelConfig(1, 8, True))
     args = EngineArgs(**{**base.__dict__, "eplb": True, "eplb_window_size": WINDOW, "eplb_step_interval": INTERVAL,
@@ -54,20 +59,22 @@ def main() -> None:
     compiled_before = sorted(map(str, eng.runner._exe))
     placements = [eng.eplb.state.placement.phys_to_log.tolist()]
     rearranged_at = []
-    tokens = {}
     n_steps = 0
-    for i, p in enumerate(prompts):
-        eng.add_request(f"r{i}", p, greedy)
-    while eng.has_unfinished():
-        for o in eng.step():
-            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+
+    def on_step():
+        nonlocal n_steps
         n_steps += 1
         if eng.eplb.state.rearrangements > len(rearranged_at):
             rearranged_at.append(n_steps)
             placements.append(eng.eplb.state.placement.phys_to_log.tolist())
-    got = [tokens[f"r{i}"] for i in range(len(prompts))]
-    metrics = [ln for ln in eng.metrics.render().decode().splitlines() if ln.startswith("dsv41:eplb_")]
-    print(json.dumps({"ref": ref, "eplb": got, "steps": n_steps, "eplb_steps": eng.eplb.state.steps,
+
+    ranks = {}
+    got = _serve(eng, prompts, greedy, ranks=ranks, on_step=on_step)
+    steps_turn1 = n_steps
+    got2 = _serve(eng, turn2, greedy, turn=2, ranks=ranks, on_step=on_step)
+    metrics = [ln for ln in eng.metrics.render().decode().splitlines() if ln.startswith("dsv41:")]
+    print(json.dumps({"ref": ref, "eplb": got, "ref_turn2": ref2, "dep_turn2": got2, "ranks": ranks,
+                      "steps_turn1": steps_turn1, "steps": n_steps, "eplb_steps": eng.eplb.state.steps,
                       "rearranged_at": rearranged_at, "placements": placements,
                       "balancedness": eng.eplb.state.balancedness(),
                       "before_after": [eng.eplb.state.last_balancedness_before,
@@ -77,14 +84,23 @@ def main() -> None:
                       "metrics": metrics}))
 
 
-def _serve(engine, prompts, params) -> list[list[int]]:
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
-    out = {f"r{i}": [] for i in range(len(prompts))}
+def _serve(engine, prompts, params, *, turn: int = 1, ranks: dict | None = None, on_step=None) -> dict:
+    """Session i's turn: {"tokens": [...] per session, "cached": [...] cached prompt tokens per session}."""
+    names = [f"s{i}-t{turn}" for i in range(len(prompts))]
+    for i, (name, p) in enumerate(zip(names, prompts)):
+        req = engine.add_request(name, p, params, session_id=f"s{i}")
+        if ranks is not None:
+            ranks[name] = req.rank
+    out = {n: [] for n in names}
+    cached = {}
     while engine.has_unfinished():
         for o in engine.step():
             out[o.request_id] += o.new_token_ids
-    return [out[f"r{i}"] for i in range(len(prompts))]
+            if o.finished:
+                cached[o.request_id] = o.num_cached_tokens
+        if on_step:
+            on_step()
+    return {"tokens": [out[n] for n in names], "cached": [cached[n] for n in names]}
 
 
 if __name__ == "__main__":
