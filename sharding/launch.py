@@ -1,13 +1,16 @@
 """Start N local processes on JAX's distributed runtime (CPU collectives over gloo, the coordinator on a
-free localhost port) and serve one request across them with a sharded layout.
+free localhost port) and serve requests across them with a sharded layout.
 
     python -m sharding.launch --num-processes 2 --devices-per-process 2 \\
         --data-parallel-size 2 --tensor-parallel-size 2 --enable-expert-parallel --preset tiny
 
-Each process builds the same random model, places its shards of the parameters on its devices, and runs
-the prefill and greedy decode steps as one global program: the sequence padded to a fixed length (the
-model is causal, so rows before the padding are exact), one compile for all steps. Process 0 prints
-JSON: the generated tokens and the logits of the prompt's last row and of every decode step.
+Each process builds the same random model, places its shards of the parameters on its devices and runs the
+same serving engine (`serving.engine.Engine` on a `ShardedModel` and `MeshPlacement`): every process makes
+the same scheduling decisions from the same requests, and each step is one global program over all
+processes' devices; a data-parallel rank's KV cache lives only on its own devices (with dp = processes,
+on its own process). `--num-requests` greedy requests with seeded random prompts, one session each (so they
+spread over the data-parallel ranks). Process 0 prints JSON: each request's rank, tokens and per-step
+log-probabilities with the top ones.
 """
 
 from __future__ import annotations
@@ -27,29 +30,46 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_one_request(args: argparse.Namespace) -> dict:
-    """The request (prompt = seeded random ids) -> greedy tokens and per-step logits; runs in every process."""
+def serve_requests(args: argparse.Namespace) -> dict:
+    """The requests -> greedy outputs through the engine; runs in every process."""
     import jax
     import numpy as np
 
     import dsv41
+    from serving.engine.engine import Engine, EngineArgs
+    from serving.runtime.runner import enable_compilation_cache
+    from serving.sampling_params import SamplingParams
     from sharding.mesh import ParallelConfig
     from sharding.model import ShardedModel
+    from sharding.runtime import MeshPlacement
 
+    enable_compilation_cache(args.compilation_cache_dir)
     model = dsv41.random_model(args.preset, seed=args.seed)
-    prompt = np.random.default_rng(args.seed).integers(3, model.config.vocab_size - 1, args.prompt_len)
-    total = args.prompt_len + args.decode_steps
-    seq = np.zeros(total, np.int64)  # positions past the current length are padding (causal: never read)
-    seq[: args.prompt_len] = prompt
-    sm = ShardedModel(model, ParallelConfig.from_args(args)) if jax.device_count() > 1 else model
-    rows = []
-    for n in range(args.prompt_len, total + 1):
-        logits = sm.logits(seq)[n - 1]
-        rows.append(logits)
-        if n < total:
-            seq[n] = int(np.argmax(logits))
-    return {"tokens": seq.tolist(), "logits": np.stack(rows).tolist(), "devices": jax.device_count(),
-            "processes": jax.process_count()}
+    c = model.config
+    rng = np.random.default_rng(args.seed)
+    prompts = [rng.integers(3, c.vocab_size - 1, args.prompt_len).tolist() for _ in range(args.num_requests)]
+    block = max(8, max(c.compress_ratios) * c.candidate_block_size)  # whole candidate blocks per page
+    ea = EngineArgs(max_num_seqs=max(1, args.num_requests), max_num_batched_tokens=args.prompt_len,
+                    max_model_len=-(-(args.prompt_len + args.decode_steps + 1) // block) * block, block_size=block,
+                    token_buckets=(args.prompt_len,), swa_bounded_replay=False)  # one compiled step size
+    placement = None
+    if jax.device_count() > 1:
+        model = ShardedModel(model, ParallelConfig.from_args(args))
+        placement = MeshPlacement(model.mesh)
+    engine = Engine(model, None, ea, progress=False, placement=placement)
+    greedy = SamplingParams(temperature=0, max_tokens=args.decode_steps, ignore_eos=True, logprobs=5)
+    ranks = {}
+    for i, p in enumerate(prompts):
+        ranks[f"r{i}"] = engine.add_request(f"r{i}", p, greedy, session_id=f"session-{i}").rank
+    out = {r: {"tokens": [], "logprobs": [], "top": []} for r in ranks}
+    while engine.has_unfinished():
+        for o in engine.step():
+            for t, lp in zip(o.new_token_ids, o.new_logprobs):
+                out[o.request_id]["tokens"].append(t)
+                out[o.request_id]["logprobs"].append(lp.logprob)
+                out[o.request_id]["top"].append(lp.top)
+    return {"prompts": prompts, "ranks": ranks, "outputs": out, "devices": jax.device_count(),
+            "processes": jax.process_count(), "data_parallel_ranks": engine.runner.ranks}
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -57,7 +77,7 @@ def _worker(args: argparse.Namespace) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     t = time.perf_counter()
-    out = serve_one_request(args)
+    out = serve_requests(args)
     out["seconds"] = round(time.perf_counter() - t, 1)
     if args.process_id == 0:
         print(json.dumps(out), flush=True)
@@ -97,6 +117,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prompt-len", type=int, default=12)
     ap.add_argument("--decode-steps", type=int, default=3)
+    ap.add_argument("--num-requests", type=int, default=2)
+    ap.add_argument("--compilation-cache-dir", default="", help="persistent XLA cache ('' = off)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)

@@ -1,6 +1,7 @@
-"""One request served end to end across 2 processes on jax.distributed (2 CPU devices each, DEP dp=2 x
-tp=2, experts over all 4 devices): the greedy tokens and every step's logits equal the single-process
-model's."""
+"""Requests served end to end by the engine across 2 processes on jax.distributed (2 CPU devices each, DEP
+dp=2 x tp=2, experts over all 4 devices): two sessions land on the two data-parallel ranks (one per
+process, each rank's KV on its own process's devices), and each request's greedy tokens and log-probabilities
+are the single-process model's."""
 
 import json
 import os
@@ -11,25 +12,31 @@ from pathlib import Path
 import numpy as np
 
 import dsv41
+from tests.conftest import XLA_CACHE
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_two_processes_serve_one_request():
+def test_two_processes_serve_requests_end_to_end():
     prompt_len, steps = 12, 3
     cmd = [sys.executable, "-m", "sharding.launch", "--num-processes", "2", "--devices-per-process", "2",
            "--data-parallel-size", "2", "--tensor-parallel-size", "2", "--enable-expert-parallel",
            "--preset", "tiny", "--seed", "0", "--prompt-len", str(prompt_len), "--decode-steps", str(steps),
-           "--timeout", "240"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ))
+           "--num-requests", "2", "--compilation-cache-dir", str(XLA_CACHE), "--timeout", "400"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=450, env=dict(os.environ))
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["processes"] == 2 and out["devices"] == 4
+    assert (out["processes"], out["devices"], out["data_parallel_ranks"]) == (2, 4, 2)
+    assert sorted(out["ranks"].values()) == [0, 1]  # one request per rank, i.e. per process
 
     model = dsv41.random_model("tiny", seed=0)
-    prompt = np.random.default_rng(0).integers(3, model.config.vocab_size - 1, prompt_len)
-    assert out["tokens"][:prompt_len] == prompt.tolist()
-    ref = model.logits(np.array(out["tokens"]))  # one device, the whole sequence
-    got = np.array(out["logits"])
-    assert np.abs(got - ref[prompt_len - 1:]).max() <= 1e-5
-    assert out["tokens"][prompt_len:] == [int(t) for t in np.argmax(ref[prompt_len - 1:-1], axis=-1)]
+    for i, prompt in enumerate(out["prompts"]):
+        got = out["outputs"][f"r{i}"]
+        seq = np.array(prompt + got["tokens"])
+        logits = model.logits(seq)[prompt_len - 1:-1]  # one device, the whole sequence
+        logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+            - logits.max(-1, keepdims=True)
+        assert got["tokens"] == [int(t) for t in logp.argmax(-1)]
+        assert np.abs(np.array(got["logprobs"]) - logp[np.arange(steps), got["tokens"]]).max() <= 1e-5
+        top = np.array([[lp for _, lp in row] for row in got["top"]])
+        assert np.abs(top - np.sort(logp, -1)[:, ::-1][:, : top.shape[1]]).max() <= 1e-5
