@@ -46,6 +46,9 @@ def parser() -> argparse.ArgumentParser:
     from sharding.mesh import ParallelConfig
 
     ParallelConfig.add_arguments(p)
+    p.add_argument("--num-cpu-devices", type=int, default=None,
+                   help="on the CPU backend: split the host into this many devices (to run parallel layouts "
+                        "without accelerators)")
     p.add_argument("--dp-routing-policy", default="sticky", choices=["sticky", "load"],
                    help="data-parallel ranks: keep a session (X-Session-ID, else its prompt's first tokens) on the "
                         "rank holding its prefix cache unless saturated (sticky), or always the least-loaded rank")
@@ -75,6 +78,12 @@ def main(argv: list[str] | None = None) -> None:
     from serving.runtime.runner import enable_compilation_cache
 
     enable_compilation_cache(args.compilation_cache_dir)
+    if args.num_cpu_devices is not None:
+        if args.num_cpu_devices < 1:
+            sys.exit(f"error: --num-cpu-devices must be >= 1, got {args.num_cpu_devices}")
+        import jax
+
+        jax.config.update("jax_num_cpu_devices", args.num_cpu_devices)
     try:
         if args.enable_eplb and not args.enable_expert_parallel:
             raise ValueError("--enable-eplb needs --enable-expert-parallel (experts split over the ranks)")
