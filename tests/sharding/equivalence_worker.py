@@ -21,6 +21,7 @@ LAYOUTS = {  # name -> (tensor_parallel_size, data_parallel_size, enable_expert_
     "dep2x4": (4, 2, True, 4),
     "dep4x2": (2, 4, True, 2),
     "dep8x8": (1, 8, True, 8),
+    "dp2tp4": (4, 2, False, None),  # data-parallel attention, experts tensor-parallel over all 8 devices
 }
 PROMPT, DECODE = 16, 3
 
