@@ -52,6 +52,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dp-routing-policy", default="sticky", choices=["sticky", "load"],
                    help="data-parallel ranks: keep a session (X-Session-ID, else its prompt's first tokens) on the "
                         "rank holding its prefix cache unless saturated (sticky), or always the least-loaded rank")
+    p.add_argument("--dp-max-inflight", type=int, default=None,
+                   help="requests in flight (running or waiting) that saturate a data-parallel rank for sticky "
+                        "routing (default: 2 x --max-num-seqs)")
     g = p.add_argument_group("expert load balancing (EPLB; needs --enable-expert-parallel)")
     g.add_argument("--enable-eplb", action="store_true",
                    help="record per-expert load every step and rearrange the experts over the expert-parallel "
@@ -99,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
                                  token_buckets=args.token_buckets, eplb=args.enable_eplb,
                                  eplb_window_size=args.eplb_window_size, eplb_step_interval=args.eplb_step_interval,
                                  eplb_num_redundant_experts=args.eplb_num_redundant_experts,
-                                 dp_routing_policy=args.dp_routing_policy)
+                                 dp_routing_policy=args.dp_routing_policy, dp_max_inflight=args.dp_max_inflight)
     except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")
     name = args.served_model_name or src.name

@@ -20,11 +20,12 @@ from sharding.dp_router import DPRouter, RouterConfig
 class DataParallelScheduler:
     def __init__(self, cfg: SchedulerConfig, model_config: ModelConfig, *, num_blocks: int, block_size: int,
                  ranks: int = 1, routing_policy: str = "sticky", max_inflight: int | None = None):
-        """`num_blocks`: each rank's KV blocks; `max_inflight`: requests in flight that saturate a rank for the
-        sticky policy (default: its `max_num_seqs` slots)."""
+        """`num_blocks`: each rank's KV blocks; `max_inflight`: requests in flight (running or waiting) that
+        saturate a rank for the sticky policy (default: twice its `max_num_seqs` slots - full, with as many
+        waiting)."""
         self.ranks = [Scheduler(cfg, model_config, BlockManager(num_blocks, block_size, cfg.enable_prefix_caching))
                       for _ in range(ranks)]
-        self.router = DPRouter(RouterConfig(ranks, routing_policy, max_inflight or cfg.max_num_seqs))
+        self.router = DPRouter(RouterConfig(ranks, routing_policy, max_inflight or 2 * cfg.max_num_seqs))
         self.block_size, self.blocks_per_rank = block_size, num_blocks
 
     # ------------------------------------------------------------------ requests

@@ -55,10 +55,13 @@ class EngineArgs:
     eplb_step_interval: int = 3000  # steps between rearrangements
     eplb_num_redundant_experts: int = 0  # extra expert slots (over all ranks) for replicas of hot experts
     dp_routing_policy: str = "sticky"  # data-parallel ranks: "sticky" (session / prefix owner) or "load"
+    dp_max_inflight: int | None = None  # requests in flight that saturate a rank (default 2 x max_num_seqs)
 
     def __post_init__(self):
         if self.dp_routing_policy not in POLICIES:
             raise ValueError(f"dp_routing_policy {self.dp_routing_policy!r}: choose one of {POLICIES}")
+        if self.dp_max_inflight is not None and self.dp_max_inflight < 1:
+            raise ValueError(f"dp_max_inflight must be >= 1, got {self.dp_max_inflight}")
         if self.eplb:
             self.eplb_config()  # refuse bad EPLB numbers when the arguments are built
 
@@ -97,7 +100,8 @@ class Engine:
         layout = self.runner.layout
         self.scheduler = DataParallelScheduler(args.scheduler_config(), model.config, num_blocks=layout.num_blocks,
                                                block_size=layout.block_size, ranks=self.runner.ranks,
-                                               routing_policy=args.dp_routing_policy)
+                                               routing_policy=args.dp_routing_policy,
+                                               max_inflight=args.dp_max_inflight)
         self.metrics.total_blocks.set(self.scheduler.num_blocks)
         self.requests: dict[str, Request] = {}
         self._out: dict[str, OutputState] = {}

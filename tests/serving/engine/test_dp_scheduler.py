@@ -8,9 +8,10 @@ from serving.engine.scheduler import QueueFull, SchedulerConfig
 from tests.serving.engine.test_scheduler import BS, CFG, _finish_step, _req
 
 
-def _dp(ranks=3, policy="sticky", **kw):
+def _dp(ranks=3, policy="sticky", max_inflight=None, **kw):
     cfg = SchedulerConfig(**{"max_num_seqs": 2, "max_num_batched_tokens": 16, **kw})
-    return DataParallelScheduler(cfg, CFG, num_blocks=8, block_size=BS, ranks=ranks, routing_policy=policy)
+    return DataParallelScheduler(cfg, CFG, num_blocks=8, block_size=BS, ranks=ranks, routing_policy=policy,
+                                 max_inflight=max_inflight)
 
 
 def test_each_rank_has_its_own_budget_slots_and_blocks():
@@ -32,14 +33,15 @@ def test_each_rank_has_its_own_budget_slots_and_blocks():
 
 
 def test_sticky_session_stays_unless_saturated_and_load_policy_spreads():
-    s = _dp()
+    assert _dp().router.config.max_inflight == 4  # default: two per slot
+    s = _dp(max_inflight=2)
     a1 = _req("a1", 9, session_id="chat")
     s.add(a1)
     a2 = _req("a2", 9, seed=1, session_id="chat")
     s.add(a2)
     assert a1.rank == a2.rank == 0  # same session, same rank (its prefix cache)
     a3 = _req("a3", 9, seed=2, session_id="chat")
-    s.add(a3)  # rank 0 has max_num_seqs = 2 in flight: saturated -> least-loaded, and the session moves
+    s.add(a3)  # rank 0 has 2 in flight: saturated -> least-loaded, and the session moves
     assert a3.rank == 1 and s.router.moved == 1
     no_session = [_req(f"p{i}", 9, seed=7) for i in range(2)]  # same prompt, no session: the prefix hash
     for r in no_session:
