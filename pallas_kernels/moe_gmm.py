@@ -168,7 +168,11 @@ def xla(x_TD, ids_TK, weights_TK, w1, w3, w2, *, limit: float, out_dtype=jnp.flo
 
     _, y = jax.lax.scan(one_tile, None, (xs.reshape(n_t, tile, D), rw.reshape(n_t, tile), layout.tile_expert,
                                          jnp.arange(n_t, dtype=jnp.int32)))
-    return _combine(y.reshape(-1, D), layout, T, k, out_dtype)
+    # The output materializes: XLA:CPU would otherwise fuse the combine with the caller's shared expert and
+    # residual update into one YNNPACK fusion whose float32 rounding differs from the same ops unfused, so
+    # the model's logits would move (~1e-5 on preset small) whenever its experts run elsewhere, e.g.
+    # through the mesh dispatch (sharding.expert_dispatch), which cannot be fused with its caller.
+    return jax.lax.optimization_barrier(_combine(y.reshape(-1, D), layout, T, k, out_dtype))
 
 
 # ================================================================================== pallas

@@ -7,15 +7,18 @@ dimension over the moe_tp axes):
   1. pack every (token, choice) pair into a send buffer [E, C, D] at slot (expert, rank of the pair among
      this rank's pairs for that expert);
   2. all_to_all over the expert axes -> [ep sources, E_local, C, D];
-  3. clamped SwiGLU with the rank's intermediate slice, weighted by the router weight, then w2; psum over
-     moe_tp (partial sums of the intermediate slices);
+  3. every received row through its local expert with the rank's intermediate slice - the model's own
+     grouped matmul (`pallas_kernels.moe_gmm.routed_experts`, empty slots skipped), so each row's
+     arithmetic is the single-device model's - then psum over moe_tp (partial sums of the intermediate
+     slices, only where that split exists);
   4. all_to_all back and gather each pair's row from its slot; sum over the k choices.
 
 No token is dropped: C is the smallest of a few static capacity buckets (a ladder of halvings from the
 worst case, every local token choosing the same expert) that holds the largest per-(rank, expert) count of
 this step, computed from the routing before dispatch and agreed on by a pmax; `lax.switch` runs that
 bucket's dispatch. Decode steps with balanced routing then move a fraction of the worst-case bytes.
-With ep = 1 (the TP layout) the all-to-alls are local and the compute is a grouped einsum per expert.
+With ep = 1 (the TP layout) the all-to-alls are local. On one device the dispatch gives the model's logits
+bit for bit.
 
 Called inside the runtime's per-rank `shard_map` (`sharding.runtime`: the dp axes already manual, each rank
 holding different tokens), the dispatch splits tokens over the remaining expert axis only (tp_ep), and
@@ -33,9 +36,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P, get_abstract_mesh
 
-from dsv41.layers.basic import matmul_precision
 from dsv41.layers.expert_load import expert_counts
-from dsv41.layers.moe import Experts, swiglu
+from dsv41.layers.moe import Experts
+from pallas_kernels.moe_gmm import routed_experts
 from sharding.mesh import EP_AXES, MESH_AXES, MOE_TP_AXES, axis_size
 
 
@@ -72,7 +75,8 @@ class ExpertDispatch:
         if gather:  # the ranks sharing this rank's expert-intermediate slices: their tokens too
             x, sel, w, valid = (jax.lax.all_gather(a, gather, tiled=True) for a in (x, sel, w, valid))
         tok, e_spec = P(split, None), P(split, inter, None)
-        body = functools.partial(_dispatch_compute, ep=self.ep, limit=experts.limit,
+        body = functools.partial(_dispatch_compute, ep=self.ep, limit=experts.limit, impl=experts.kernel_impl,
+                                 moe_tp=tuple(a for a in MOE_TP_AXES if self.mesh.shape[a] > 1),
                                  ladder=capacity_ladder(x.shape[0] // n_split, self.capacity_buckets))
         y = jax.shard_map(body, mesh=None if manual else self.mesh,
                           in_specs=(tok, tok, tok, P(split), e_spec, e_spec, P(split, None, inter)),
@@ -92,36 +96,52 @@ def _slots(sel_Tk: jax.Array, valid_T: jax.Array, n_experts: int) -> jax.Array:
     return jnp.where(valid_T[:, None], pos, jnp.iinfo(jnp.int32).max)
 
 
-def _dispatch_compute(x_TD, sel_Tk, w_Tk, valid_T, w1_EID, w3_EID, w2_EDI, *, ep: int, limit: float,
-                      ladder: tuple[int, ...]):
+def _dispatch_compute(x_TD, sel_Tk, w_Tk, valid_T, w1_EID, w3_EID, w2_EDI, *, ep: int, limit: float, impl: str,
+                      moe_tp: tuple[str, ...], ladder: tuple[int, ...]):
     E = w1_EID.shape[0] * ep
     pos_Tk = _slots(sel_Tk, valid_T, E)
     need = jax.lax.pmax(jnp.max(expert_counts(sel_Tk, valid_T, E)), MESH_AXES)
     bucket = jnp.sum(jnp.asarray(ladder) < need)  # the smallest capacity >= need
-    branches = [functools.partial(_dispatch_at_capacity, C=C, ep=ep, limit=limit) for C in ladder]
+    branches = [functools.partial(_dispatch_at_capacity, C=C, ep=ep, limit=limit, impl=impl, moe_tp=moe_tp)
+                for C in ladder]
     return jax.lax.switch(bucket, branches, x_TD, sel_Tk, pos_Tk, w_Tk, w1_EID, w3_EID, w2_EDI)
 
 
-def _dispatch_at_capacity(x_TD, sel_Tk, pos_Tk, w_Tk, w1_EID, w3_EID, w2_EDI, *, C: int, ep: int, limit: float):
+def _dispatch_at_capacity(x_TD, sel_Tk, pos_Tk, w_Tk, w1_EID, w3_EID, w2_EDI, *, C: int, ep: int, limit: float,
+                          impl: str, moe_tp: tuple[str, ...]):
     T, D = x_TD.shape
     k = sel_Tk.shape[1]
     E_local = w1_EID.shape[0]
     E = E_local * ep
-    prec = matmul_precision(w1_EID.dtype)
     x_rows = jnp.broadcast_to(x_TD[:, None, :], (T, k, D))
     send_ECD = jnp.zeros((E, C, D), x_TD.dtype).at[sel_Tk, pos_Tk].set(x_rows, mode="drop")
     send_w_EC = jnp.zeros((E, C), jnp.float32).at[sel_Tk, pos_Tk].set(w_Tk, mode="drop")
+    # each slot's expert as the receiving rank numbers it; unused slots keep E_local (out of range: skipped)
+    send_id_EC = jnp.full((E, C), E_local, jnp.int32).at[sel_Tk, pos_Tk].set(sel_Tk % E_local, mode="drop")
     with jax.named_scope("moe_dispatch"):
         recv_SECD = jax.lax.all_to_all(send_ECD.reshape(ep, E_local, C, D), EP_AXES, 0, 0, tiled=True)
         recv_w_SEC = jax.lax.all_to_all(send_w_EC.reshape(ep, E_local, C), EP_AXES, 0, 0, tiled=True)
+        recv_id_SEC = jax.lax.all_to_all(send_id_EC.reshape(ep, E_local, C), EP_AXES, 0, 0, tiled=True)
     with jax.named_scope("moe_experts"):
-        xr = recv_SECD.astype(w1_EID.dtype)
-        gate = jnp.einsum("secd,eid->seci", xr, w1_EID, preferred_element_type=jnp.float32, precision=prec)
-        up = jnp.einsum("secd,eid->seci", xr, w3_EID, preferred_element_type=jnp.float32, precision=prec)
-        h = (swiglu(gate, up, limit) * recv_w_SEC[..., None]).astype(w2_EDI.dtype)
-        out_SECD = jnp.einsum("seci,edi->secd", h, w2_EDI, preferred_element_type=jnp.float32, precision=prec)
-        out_SECD = jax.lax.psum(out_SECD, MOE_TP_AXES)
+        out_SECD = _received_experts(recv_SECD, recv_id_SEC, recv_w_SEC, w1_EID, w3_EID, w2_EDI, limit=limit,
+                                     impl=impl)
+        if moe_tp:  # an all-reduce over one device still costs a copy on XLA:CPU
+            out_SECD = jax.lax.psum(out_SECD, moe_tp)
     with jax.named_scope("moe_combine"):
         back_ECD = jax.lax.all_to_all(out_SECD, EP_AXES, 0, 0, tiled=True).reshape(E, C, D)
         rows_TkD = back_ECD.at[sel_Tk, pos_Tk].get(mode="fill", fill_value=0.0)
-    return jnp.sum(rows_TkD, axis=1)
+    return jnp.sum(rows_TkD, axis=1)  # over the k choices in float32, as moe_gmm's combine
+
+
+def _received_experts(x_SECD, id_SEC, w_SEC, w1_EID, w3_EID, w2_EDI, *, limit: float, impl: str) -> jax.Array:
+    """Every received row through its local expert `id_SEC` (E_local on unused slots), float32 [S, E_local,
+    C, D] (zeros on unused slots, which are skipped, not computed).
+
+    The rows go through `moe_gmm.routed_experts` as single-choice pairs, so each row's arithmetic (matmul
+    shapes and casts, where the router weight is applied, the dtype of h before w2) is the one the
+    single-device model runs; only the sums over the intermediate slices (psum over moe_tp) and over the k
+    choices happen outside it."""
+    S, E_local, C, D = x_SECD.shape
+    y_PD = routed_experts(x_SECD.reshape(-1, D), id_SEC.reshape(-1, 1), w_SEC.reshape(-1, 1), w1_EID, w3_EID,
+                          w2_EDI, limit=limit, impl=impl)
+    return y_PD.reshape(S, E_local, C, D)
