@@ -32,6 +32,8 @@ def main() -> None:
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--dispatch-reference", action="store_true",
                     help="also compare with the same expert dispatch on one device")
+    ap.add_argument("--noise-floor", action="store_true",
+                    help="also: how far one ulp added to every routed-expert output moves the logits")
     ap.add_argument("--eplb", action="store_true", help="also: DEP8 with EPLB placements (redundant experts)")
     ap.add_argument("--dp-batches", default="none", help="layouts also checked with several requests on different "
                                                            "data-parallel ranks in the same steps (comma list)")
@@ -60,6 +62,8 @@ def main() -> None:
     if args.dispatch_reference:
         ref_dispatch = ShardedModel(model, ParallelConfig()).logits(np.array(tokens))
         out["reference"]["dispatch_vs_dense_max_abs_err"] = float(np.abs(ref_dispatch - ref).max())
+    if args.noise_floor:
+        out["reference"]["one_ulp_expert_noise"] = one_ulp_noise(model, tokens, ref)
     c = model.config
     block = max(8, max(c.compress_ratios) * c.candidate_block_size)  # whole candidate blocks per page
     rc = RuntimeConfig(max_num_seqs=8, max_num_batched_tokens=PROMPT, max_model_len=64, block_size=block,
@@ -92,6 +96,31 @@ def main() -> None:
     if args.eplb:
         out["eplb"] = eplb_check(model, tokens, ref)
     print(json.dumps(out))
+
+
+def one_ulp_noise(model, tokens, ref) -> float:
+    """max |logits - ref| when every MoE layer's routed-expert output is moved by one float32 ulp (away from
+    zero): the model's own sensitivity to a single rounding difference per layer, the scale below which
+    no program that sums in another order can be held."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dsv41.layers.moe import MoE
+
+    def nudged(experts, x, sel, w):
+        y = experts(x, sel, w)
+        return jnp.nextafter(y, jnp.where(y >= 0, jnp.inf, -jnp.inf))
+
+    moes = [m for _, m in nnx.iter_modules(model.module) if isinstance(m, MoE)]
+    try:
+        for m in moes:
+            m.routed_compute = nudged
+        model._jit(nnx.split(model.module)[0])  # the hook is part of the graph definition
+        return float(np.abs(model.logits(np.array(tokens)) - ref).max())
+    finally:
+        for m in moes:
+            m.routed_compute = None
+        model._jit(nnx.split(model.module)[0])
 
 
 def dp_batches_check(model, sm, rc) -> dict:

@@ -2,8 +2,9 @@
 the runtime's cache on the mesh, and several requests on different data-parallel ranks in the same steps),
 on 8 virtual CPU devices in a subprocess (this process may have initialised jax with another device count).
 
-Budget: the suite runs tiny's four layouts for prefill and TP4 / DEP8 through the runtime, and small's
-DEP dp=2 x ep=4 prefill; `python -m tests.sharding.equivalence_worker --preset small` runs the rest."""
+Budget: the suite runs tiny's four layouts for prefill, TP4 / DEP8 through the runtime, per-rank batches on
+dp4 x ep2 / DEP8, and small's DEP dp=2 x ep=4 prefill; the rest:
+`python -m tests.sharding.equivalence_worker --preset small --decode-layouts all --dp-batches dep4x2,dep8x8`."""
 
 import json
 import os
@@ -60,14 +61,17 @@ def test_tiny_requests_on_different_dp_ranks(tiny, layout):
 
 
 def test_small_prefill_dep():
-    """small's logits reach |5| and its 12 layers amplify float32 rounding: one ulp added to every routed
-    expert output moves them by ~1e-5. The dispatch itself is exact (`test_one_device_dispatch_is_bitwise`),
-    but a multi-device program rounds differently: TP attention sums the O-projection over head shards, and
-    the token sharding of the dispatch's input and output spreads into the neighbouring mHC / norm ops; each
-    alone gives 1.2e-5 .. 1.8e-5. So the bound is relative to the logits' scale."""
-    out = _worker("--preset", "small", "--layouts", "dep2x4", "--decode-layouts", "none")
-    scale = max(1.0, out["reference"]["max_abs_logit"])
-    assert out["dep2x4"]["prefill_max_abs_err"] <= TOL * scale, out
+    """small's logits reach |5| and its layers amplify float32 rounding: one ulp added to every routed expert
+    output moves them by ~1e-5 (measured here: `one_ulp_expert_noise`). The dispatch itself is exact
+    (`test_one_device_dispatch_is_bitwise`), but a multi-device program rounds differently: TP attention sums
+    the O-projection over head shards, and the token sharding of the dispatch's input and output spreads into
+    the neighbouring mHC / norm ops; each alone gives 1.2e-5 .. 1.8e-5 (1.4 .. 1.8 x the one-ulp floor over the
+    four layouts). So the bound is a few rounding differences per layer - three times that floor - not an
+    absolute 1e-5 (which the tiny config meets)."""
+    out = _worker("--preset", "small", "--layouts", "dep2x4", "--decode-layouts", "none", "--noise-floor")
+    floor = out["reference"]["one_ulp_expert_noise"]
+    assert 0 < floor <= 2e-5, out  # a sanity range: the nudge is seen, and it is of float32 size
+    assert out["dep2x4"]["prefill_max_abs_err"] <= 3 * floor, out
 
 
 def test_eplb_placements_keep_logits(tiny):
