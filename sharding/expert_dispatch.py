@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P, get_abstract_mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, get_abstract_mesh
 
 from dsv41.layers.expert_load import expert_counts
 from dsv41.layers.moe import Experts
@@ -63,6 +63,11 @@ class ExpertDispatch:
         split = tuple(a for a in EP_AXES if a not in manual)  # token shards of this dispatch
         gather = tuple(a for a in MOE_TP_AXES if a in manual and self.mesh.shape[a] > 1)
         inter = tuple(a for a in MOE_TP_AXES if a not in manual)
+        if not manual:
+            # Outside the per-rank runtime the tokens are replicated: pin that on both sides of the dispatch, or
+            # XLA's propagation spreads its token split into the neighbouring mHC / norm ops, which then round
+            # differently on fewer rows (float32 noise of ~1e-5 on the small preset).
+            x_TD = jax.lax.with_sharding_constraint(x_TD, NamedSharding(self.mesh, P()))
         T = x_TD.shape[0]
         if hasattr(experts, "eplb_replicas"):  # EPLB placement: each choice -> one replica of its expert
             replicas, count = experts.eplb_replicas[...], experts.eplb_replica_count[...]
@@ -84,6 +89,8 @@ class ExpertDispatch:
             x, sel, w, valid, experts.w1[...], experts.w3[...], experts.w2[...])
         if gather:
             y = jax.lax.dynamic_slice_in_dim(y, jax.lax.axis_index(gather) * T_pad, T_pad)
+        if not manual:
+            return jax.lax.with_sharding_constraint(y[:T], NamedSharding(self.mesh, P()))
         return y[:T]
 
 
