@@ -1,0 +1,55 @@
+"""Run in a subprocess with 2 virtual CPU devices: the runtime with the Pallas kernels (interpreted on CPU)
+inside the per-rank shard_map of DEP2, one request on rank 1, prefill then decode, against the model with
+the reference ops. Prints one JSON object.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m tests.sharding.pallas_dep_worker
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+PROMPT, DECODE = 12, 2
+
+
+def main() -> None:
+    import jax
+
+    import dsv41
+    from serving.runtime.runner import Runner, RuntimeConfig
+    from sharding.mesh import ParallelConfig
+    from sharding.model import ShardedModel
+    from sharding.runtime import MeshPlacement
+    from tests.pallas_kernels.test_integration import pallas_calls
+    from tests.serving.driver import Driver
+
+    if jax.device_count() < 2:
+        raise SystemExit(f"needs 2 devices, got {jax.device_count()} (XLA_FLAGS not applied?)")
+    model = dsv41.random_model("tiny", seed=1)
+    c = model.config
+    block = max(8, max(c.compress_ratios) * c.candidate_block_size)
+    rc = RuntimeConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, block_size=block,
+                       token_buckets=(16,), swa_bounded_replay=False, kernel_impl="pallas")
+    sm = ShardedModel(model, ParallelConfig(1, 2, True))
+    runner = Runner(sm, rc, progress=False, placement=MeshPlacement(sm.mesh))
+    runner.precompile([("seg1", 16), ("seg2", 16)])
+    tokens = [int(t) for t in np.random.default_rng(0).integers(3, c.vocab_size - 1, PROMPT + DECODE)]
+    d = Driver(runner)
+    d.start("a", tokens[:PROMPT], rank=1)
+    got = [d.step({"a": PROMPT})["a"]]
+    for t in tokens[PROMPT:]:
+        d.append("a", t)
+        got.append(d.step({"a": 1})["a"])
+    _, b2 = runner._example(16, 16)
+    seg2 = jax.make_jaxpr(runner._fns["seg2"])(runner._leaves, runner.cache, runner.carry_buf, runner._put(b2))
+    model.set_kernel_impl("reference")
+    ref = model.logits(np.array(tokens))[PROMPT - 1:]
+    print(json.dumps({"max_abs_err": float(np.abs(np.stack(got) - ref).max()), "ranks": runner.ranks,
+                      "sparse_mla_calls_in_seg2": pallas_calls(seg2, "sparse_mla"),
+                      "layers_after_cut": c.num_hidden_layers - c.cut_layer - 1}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,21 @@
+"""The Pallas kernels (interpreted on CPU) inside the runtime's per-rank shard_map: DEP2 with the request on
+rank 1 gives the reference-ops model's logits (a subprocess with 2 virtual devices)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_pallas_kernels_run_per_rank():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-m", "tests.sharding.pallas_dep_worker"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["ranks"] == 2 and out["max_abs_err"] <= 1e-4, out
+    # segment 2 runs the attention kernel in every layer after the cut (the cut layer's band stays XLA)
+    assert out["sparse_mla_calls_in_seg2"] == out["layers_after_cut"] > 0, out
