@@ -134,5 +134,7 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def place(tree, shardings):
     """device_put a pytree onto its shardings (works across processes: every process passes the full
     host value and keeps its addressable shards)."""
-    return jax.tree.map(lambda a, s: jax.make_array_from_callback(np.shape(a), s, lambda idx: np.asarray(a)[idx])
-                        if jax.process_count() > 1 else jax.device_put(a, s), tree, shardings)
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)  # one batched transfer
+    return jax.tree.map(lambda a, s: jax.make_array_from_callback(np.shape(a), s, lambda idx: np.asarray(a)[idx]),
+                        tree, shardings)

@@ -16,7 +16,7 @@ sampled tokens replicated, so every process of a multi-process run can read them
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import jax
@@ -44,10 +44,10 @@ def _manual(spec: P) -> P:
 @dataclass(frozen=True)
 class MeshPlacement:
     mesh: Mesh
-    ranks: int = field(init=False)
 
-    def __post_init__(self):
-        object.__setattr__(self, "ranks", axis_size(self.mesh, DP_AXES))
+    @property
+    def ranks(self) -> int:
+        return axis_size(self.mesh, DP_AXES)
 
     @property
     def replicated(self) -> NamedSharding:

@@ -299,12 +299,13 @@ class Runner:
              banned: Sequence[Sequence[int]] | None = None) -> StepOutput:
         """Run one step and sample each request's next token; row logprobs for chunks that ask for them."""
         b2, logits, row_lp, counts, rows, where = self._segments(chunks)
-        n_rows = self.ranks * self.rc.max_num_seqs
-        at = {int(r): i for i, r in enumerate(rows)}  # logits row -> chunk
-        p = sampling_arrays([params[at[r]] if r in at else None for r in range(n_rows)],
-                            [chunks[at[r]].end if r in at else 0 for r in range(n_rows)], n_rows, self.rc.seed,
-                            banned=None if banned is None else [list(banned[at[r]]) if r in at else []
-                                                                for r in range(n_rows)])
+        n_rows = self.ranks * self.rc.max_num_seqs  # chunk i samples from logits row rows[i]
+        row_params, row_pos, row_banned = [None] * n_rows, [0] * n_rows, [[] for _ in range(n_rows)]
+        for i, r in enumerate(rows):
+            row_params[r], row_pos[r] = params[i], chunks[i].end
+            if banned is not None:
+                row_banned[r] = list(banned[i])
+        p = sampling_arrays(row_params, row_pos, n_rows, self.rc.seed, banned=row_banned)
         with jax.profiler.TraceAnnotation("runner.sample"):
             sampled = self._exe_for(("sample",))(logits, self._put_replicated(p))
         sampled, counts = jax.device_get((tuple(sampled), counts if self.rc.expert_counts else None))

@@ -32,7 +32,7 @@ class Driver:
         # one block pool and slot list per data-parallel rank
         self.bms = [BlockManager(runner.layout.num_blocks, runner.layout.block_size, prefix_caching)
                     for _ in range(runner.ranks)]
-        self.bm = self.bms[0]
+        self.bm = self.bms[0]  # rank 0's pool: what single-rank tests inspect
         self.reqs: dict[str, Req] = {}
         self.free_slots = [list(range(runner.rc.max_num_seqs)) for _ in range(runner.ranks)]
 
