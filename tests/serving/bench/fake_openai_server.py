@@ -1,5 +1,5 @@
 """A stand-in for `python -m serving.server` in the side-by-side tests: takes issue #4's CLI flags, serves
-/health, /v1/models and streaming /v1/completions (one 'x' per token, 2 ms apart, usage with cached tokens
+/health, /v1/models and streaming /v1/completions (one 'x' per token, 10 ms apart, usage with cached tokens
 = the longest prefix shared with an earlier prompt, at whole-prompt granularity)."""
 
 import argparse
@@ -10,6 +10,11 @@ import sys
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+
+
+# Paced so the client's TPOT has a known floor; 10 ms leaves room for a chunk that arrives late on a loaded
+# machine (the measured gap between the first and the last token can only shrink by such jitter, not vanish).
+TOKEN_INTERVAL_S = 0.010
 
 
 def main(argv):
@@ -44,7 +49,7 @@ def main(argv):
 
         async def events():
             for _ in range(n):
-                await asyncio.sleep(0.002)
+                await asyncio.sleep(TOKEN_INTERVAL_S)
                 yield f"data: {json.dumps({'choices': [{'index': 0, 'text': 'x'}]})}\n\n"
             usage = {"prompt_tokens": len(prompt), "completion_tokens": n,
                      "prompt_tokens_details": {"cached_tokens": cached}}

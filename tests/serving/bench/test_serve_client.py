@@ -11,7 +11,7 @@ import pytest
 
 from serving.bench import serve
 
-FIRST_S, GAP_S = 0.02, 0.004
+FIRST_S, GAP_S = 0.02, 0.010
 
 
 class FakeServer:
@@ -94,9 +94,10 @@ def test_multi_turn_sessions_are_sequential_lanes_capped_and_usage_counted():
     # usage: 4 sessions x (25 + 34 + 43) prompt tokens; cached = previous turn's prompt (0, 25, 34)
     assert s["total_input_tokens"] == 4 * 102 and s["total_output_tokens"] == 48
     assert s["prefix_hit_rate"] == pytest.approx(59 / 102)
-    # timing: the first chunk after >= FIRST_S; 3 pooled gaps per request
+    # timing: the first chunk after >= FIRST_S (a late chunk only adds); 3 pooled gaps per request, whose mean
+    # a late first chunk can shorten on a loaded machine, but not halve
     assert s["p50_ttft_ms"] >= FIRST_S * 1000 * 0.9
-    assert s["mean_itl_ms"] >= GAP_S * 1000 * 0.9
+    assert s["mean_itl_ms"] >= GAP_S * 1000 * 0.5
     assert s["total_token_throughput"] == pytest.approx((408 + 48) / s["duration"])
 
 

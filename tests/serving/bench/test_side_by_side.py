@@ -14,6 +14,7 @@ import pytest
 from serving.bench import make_checkpoints, serve, side_by_side
 
 FAKE = Path(__file__).with_name("fake_openai_server.py")
+TOKEN_INTERVAL_S = 0.010  # the stand-in server's pacing (fake_openai_server.TOKEN_INTERVAL_S)
 
 
 def _fake_python(tmp_path: Path) -> str:
@@ -46,7 +47,8 @@ def test_server_is_started_health_checked_measured_and_stopped(tmp_path):
         httpx.get(url + "/health", timeout=2)  # stopped
     s = res["summary"]
     assert (s["completed"], s["failed"], s["total_output_tokens"]) == (6, 0, 30)
-    assert s["total_input_tokens"] == 240 and s["median_tpot_ms"] >= 2.0
+    # TPOT reflects the server's pacing: a late first chunk can shorten the measured span by a few ms, never halve it
+    assert s["total_input_tokens"] == 240 and s["median_tpot_ms"] >= 0.5e3 * TOKEN_INTERVAL_S
     assert over["summary"]["failed"] == 1 and "max_model_len 64" in over["errors"][0]["error"]
 
 
