@@ -4,7 +4,8 @@
 data-parallel rank inside one `shard_map` over the dp axes (`per_rank`): each rank gets its own batch (its
 requests only, slots and block ids local to the rank), its own slice of the KV cache and of the step's
 carried rows, so attention never leaves the rank. The tensor-parallel axes stay automatic inside (heads and
-the O-projection split by the parameter shardings, XLA inserts the all-reduces), and the MoE layers'
+the O-projection split by the parameter shardings, XLA inserts the all-reduces; the one opaque call there,
+the Pallas attention kernel, gets its own shard_map over the heads: `on_local_heads`), and the MoE layers'
 dispatch reaches across ranks with all-to-alls over the expert axes (`sharding.expert_dispatch` sees the dp
 axes manual and gathers tokens only where an expert's intermediate dimension is split over dp).
 
@@ -21,7 +22,7 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, get_abstract_mesh
 
 from sharding import rules
 from sharding.mesh import DP_AXES, axis_size
@@ -99,3 +100,20 @@ class MeshPlacement:
                 leaves, cache, carry, batch)
 
         return run
+
+
+def on_local_heads(kernel: Callable, q_THd: jax.Array, sink_H: jax.Array, *replicated) -> jax.Array:
+    """kernel(q_THd, sink_H, *replicated) -> [T, H, d], run on each tensor-parallel rank's own heads.
+
+    XLA's partitioner cannot split a custom call (a Pallas kernel on GPU): with the heads split over tp it
+    would gather the queries and run every head on every device. Under a mesh that splits the heads (the
+    tracing context's, i.e. inside `per_rank`) the kernel goes into a shard_map over the head axes instead:
+    each rank its heads' queries and sinks, the (replicated) KV and metadata whole. Elsewhere it runs as is."""
+    mesh = get_abstract_mesh()
+    axes = () if mesh.empty else tuple(a for a in rules.LOGICAL_TO_MESH["heads"]
+                                       if mesh.shape.get(a, 1) > 1 and a not in mesh.manual_axes)
+    if not axes or q_THd.shape[1] % axis_size(mesh, axes):
+        return kernel(q_THd, sink_H, *replicated)
+    heads = P(None, axes, None)
+    return jax.shard_map(kernel, mesh=None, in_specs=(heads, P(axes), *(P(),) * len(replicated)), out_specs=heads,
+                         axis_names=set(axes), check_vma=False)(q_THd, sink_H, *replicated)

@@ -7,7 +7,8 @@ Per tile (up to `tile` consecutive query rows of one request) the keys are:
 A row is visible if it lies in the query's window [p - W + 1, p], at or above the request's floor
 (encoder replay: replay_start; decoder replay: max(replay_start, seq_len - W) after the cut).
 The softmax includes the per-head sink logit. Tiles are mapped in groups so memory stays bounded.
-`fused_attention` runs the same through the Pallas kernel `pallas_kernels.sparse_mla`.
+`fused_attention` runs the same through the Pallas kernel `pallas_kernels.sparse_mla` (on each
+tensor-parallel rank's own heads under a mesh).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dsv41.layers.attention import sink_softmax
 from pallas_kernels.sparse_attention import AttnMeta, sparse_mla
 from serving.runtime import kv_cache
 from serving.runtime.kv_cache import CacheLayout
+from sharding.runtime import on_local_heads
 
 TILE_GROUP = 64  # tiles evaluated together (vectorised) per loop iteration of lax.map
 
@@ -128,9 +130,13 @@ def fused_attention(layout: CacheLayout, tiles: Tiles, q_THd: jax.Array, pos_T: 
     at most one row per request use the split-key decode form."""
     T = q_THd.shape[0]
     meta = AttnMeta(pos_T, req_T, tiles.req_slot, tiles.req_start, tiles.floor, tiles.block_table)
-    identity = jnp.ones((T, 1), jnp.float32), jnp.zeros((T, 1), jnp.float32)
-    return sparse_mla(q_THd, *identity, sink_H, kv_Td, ring_cache, meta, rows_cache, topk_Tk,
-                      decode=T <= tiles.req_slot.shape[0], impl=impl)
+
+    def kernel(q, sink, kv, ring, meta, rows, topk):
+        identity = jnp.ones((T, 1), jnp.float32), jnp.zeros((T, 1), jnp.float32)
+        return sparse_mla(q, *identity, sink, kv, ring, meta, rows, topk, decode=T <= tiles.req_slot.shape[0],
+                          impl=impl)
+
+    return on_local_heads(kernel, q_THd, sink_H, kv_Td, ring_cache, meta, rows_cache, topk_Tk)
 
 
 def write_ring(layout: CacheLayout, ring_cache: jax.Array, kv_Td: jax.Array, pos_T: jax.Array, slot_T: jax.Array,

@@ -1,8 +1,9 @@
-"""Run in a subprocess with 2 virtual CPU devices: the runtime with the Pallas kernels (interpreted on CPU)
-inside the per-rank shard_map of DEP2, one request on rank 1, prefill then decode, against the model with
-the reference ops. Prints one JSON object.
+"""Run in a subprocess with 4 virtual CPU devices: the runtime with the Pallas kernels (interpreted on CPU)
+inside the per-rank shard_map of dp2 x tp2 (experts over all 4), one request on rank 1, prefill then decode,
+against the model with the reference ops; and the head count each attention kernel call sees (each tp rank
+its own heads). Prints one JSON object.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m tests.sharding.pallas_dep_worker
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m tests.sharding.pallas_dep_worker
 """
 
 from __future__ import annotations
@@ -14,6 +15,20 @@ import numpy as np
 PROMPT, DECODE = 12, 2
 
 
+def kernel_heads(closed_jaxpr, name: str) -> list[int]:
+    """The head dimension of the output of every pallas_call `name` in a traced program, as the kernel
+    sees it (inside a shard_map: the local shape)."""
+    from jax.extend.core import jaxprs_in_params
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call" and eqn.params.get("name") == name:
+                yield eqn.outvars[0].aval.shape[1]  # [T, H, d]
+            for sub in jaxprs_in_params(eqn.params):
+                yield from walk(sub)
+    return list(walk(closed_jaxpr.jaxpr))
+
+
 def main() -> None:
     import jax
 
@@ -22,17 +37,17 @@ def main() -> None:
     from sharding.mesh import ParallelConfig
     from sharding.model import ShardedModel
     from sharding.runtime import MeshPlacement
-    from tests.pallas_kernels.test_integration import pallas_calls
     from tests.serving.driver import Driver
 
-    if jax.device_count() < 2:
-        raise SystemExit(f"needs 2 devices, got {jax.device_count()} (XLA_FLAGS not applied?)")
+    if jax.device_count() < 4:
+        raise SystemExit(f"needs 4 devices, got {jax.device_count()} (XLA_FLAGS not applied?)")
     model = dsv41.random_model("tiny", seed=1)
     c = model.config
     block = max(8, max(c.compress_ratios) * c.candidate_block_size)
     rc = RuntimeConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, block_size=block,
                        token_buckets=(16,), swa_bounded_replay=False, kernel_impl="pallas")
-    sm = ShardedModel(model, ParallelConfig(1, 2, True))
+    sm = ShardedModel(model, ParallelConfig(tensor_parallel_size=2, data_parallel_size=2,
+                                            enable_expert_parallel=True))
     runner = Runner(sm, rc, progress=False, placement=MeshPlacement(sm.mesh))
     runner.precompile([("seg1", 16), ("seg2", 16)])
     tokens = [int(t) for t in np.random.default_rng(0).integers(3, c.vocab_size - 1, PROMPT + DECODE)]
@@ -47,7 +62,7 @@ def main() -> None:
     model.set_kernel_impl("reference")
     ref = model.logits(np.array(tokens))[PROMPT - 1:]
     print(json.dumps({"max_abs_err": float(np.abs(np.stack(got) - ref).max()), "ranks": runner.ranks,
-                      "sparse_mla_calls_in_seg2": pallas_calls(seg2, "sparse_mla"),
+                      "heads": c.num_attention_heads, "sparse_mla_heads_in_seg2": kernel_heads(seg2, "sparse_mla"),
                       "layers_after_cut": c.num_hidden_layers - c.cut_layer - 1}))
 
 

@@ -1,5 +1,6 @@
-"""The Pallas kernels (interpreted on CPU) inside the runtime's per-rank shard_map: DEP2 with the request on
-rank 1 gives the reference-ops model's logits (a subprocess with 2 virtual devices)."""
+"""The Pallas kernels (interpreted on CPU) inside the runtime's per-rank shard_map: dp2 x tp2 with the request
+on rank 1 gives the reference-ops model's logits, and each tp rank's attention kernel runs on its own half of
+the heads (a subprocess with 4 virtual devices)."""
 
 import json
 import os
@@ -11,11 +12,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_pallas_kernels_run_per_rank():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-m", "tests.sharding.pallas_dep_worker"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["ranks"] == 2 and out["max_abs_err"] <= 1e-4, out
-    # segment 2 runs the attention kernel in every layer after the cut (the cut layer's band stays XLA)
-    assert out["sparse_mla_calls_in_seg2"] == out["layers_after_cut"] > 0, out
+    # segment 2 runs the attention kernel in every layer after the cut (the cut layer's band stays XLA), each
+    # call on its tp rank's heads: XLA cannot split the kernel's custom call on a GPU, so unsplit it would run
+    # every head on both devices
+    assert out["sparse_mla_heads_in_seg2"] == [out["heads"] // 2] * out["layers_after_cut"], out
+    assert out["layers_after_cut"] > 0
