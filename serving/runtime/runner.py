@@ -59,6 +59,17 @@ class StepOutput(NamedTuple):
     expert_counts: np.ndarray | None = None  # [L, E] int32 routed choices of the step's valid rows per MoE layer
 
 
+class _Segments(NamedTuple):
+    """Both segments of one step, on the devices (nothing read back yet)."""
+
+    batch2: dict  # segment 2's host batch
+    logits: jax.Array  # [ranks x max_num_seqs, V]
+    row_logprobs: tuple  # segment 2's per-row logprobs (read where a chunk asks)
+    expert_counts: tuple  # the two segments' [L, E] counts (None when off)
+    rows: list[int]  # each chunk's logits row
+    where: list[tuple[int, int]]  # each chunk's (rank, index in the rank)
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
     max_num_seqs: int = 8  # per data-parallel rank
@@ -278,12 +289,10 @@ class Runner:
 
     def forward(self, chunks: Sequence[SeqChunk]) -> jax.Array:
         """Run one step; the logits [len(chunks), vocab] of each chunk's last row (device array)."""
-        _, logits, _, _, rows, _ = self._segments(chunks)
-        return logits[jnp.asarray(rows)]
+        seg = self._segments(chunks)
+        return seg.logits[jnp.asarray(seg.rows)]
 
-    def _segments(self, chunks: Sequence[SeqChunk]):
-        """(segment 2's batch, logits [ranks x max_num_seqs, V], row logprobs, the two segments' expert counts
-        (None when off), each chunk's logits row, each chunk's (rank, index in the rank))."""
+    def _segments(self, chunks: Sequence[SeqChunk]) -> _Segments:
         with jax.profiler.TraceAnnotation("runner.build"):
             b1, b2, rows, where = self._build(chunks)
         T, T2 = b1["ids"].shape[1], b2["kept"].shape[1]
@@ -293,7 +302,7 @@ class Runner:
         with jax.profiler.TraceAnnotation("runner.segment2"):
             self.cache, logits, row_lp, counts2 = self._exe_for(("seg2", T2))(self._leaves, self.cache,
                                                                               self.carry_buf, self._put(b2))
-        return b2, logits, row_lp, (counts1, counts2), rows, where
+        return _Segments(b2, logits, row_lp, (counts1, counts2), rows, where)
 
     def step(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams | None],
              banned: Sequence[Sequence[int]] | None = None) -> StepOutput:
