@@ -15,12 +15,12 @@ output tokens per second and wall time.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
-from collections import Counter
 
 import numpy as np
+
+from sharding.bench_router import emit, stickiness
 
 
 def run(policy: str, sm, placement, a: argparse.Namespace) -> dict:
@@ -68,9 +68,7 @@ def run(policy: str, sm, placement, a: argparse.Namespace) -> dict:
                     history[s] = history[s] + out[o.request_id] + tokens(a.message_min, a.message_max)
                     submit(s)
     wall = time.perf_counter() - t0
-    stick = [Counter(r).most_common(1)[0][1] / len(r) for r in ranks.values()]
-    return {"policy": policy, "prefix_hit_rate": cached_tokens / prompt_tokens,
-            "sessions_with_95pct_turns_on_one_rank": float(np.mean(np.asarray(stick) >= 0.95)),
+    return {"policy": policy, "prefix_hit_rate": cached_tokens / prompt_tokens, **stickiness(ranks.values()),
             "sticky_moves_when_saturated": engine.scheduler.router.moved, "prompt_tokens": prompt_tokens,
             "cached_tokens": cached_tokens, "output_tokens": generated, "output_tok_per_s": generated / wall,
             "wall_s": wall, "requests_per_rank": [sum(r.count(k) for r in ranks.values())
@@ -126,11 +124,7 @@ def main() -> None:
         print(f"{p:<8} {r['prefix_hit_rate']:>10.3f} {r['sessions_with_95pct_turns_on_one_rank']:>12.2f} "
               f"{r['sticky_moves_when_saturated']:>6} {r['output_tok_per_s']:>10.1f} {r['wall_s']:>7.1f}  "
               f"{r['requests_per_rank']}")
-    text = json.dumps(res, indent=1)
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
+    emit(res, a.out)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import argparse
 import heapq
 import json
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 
@@ -47,11 +48,24 @@ def simulate(policy: str, *, ranks: int, sessions: int, turns: int, seed: int = 
         answer = [int(x) for x in rng.integers(0, 50_000, int(rng.integers(20, 200)))]
         history[s] = prompt + answer
         heapq.heappush(events, (t + 1.0 + len(prompt) / 2000 + len(answer) / 50, 0, s, turn, rank))
-    stick = [Counter(r).most_common(1)[0][1] / len(r) for r in placed.values()]
-    return {"policy": policy, "prefix_hit_rate": hit_tokens / prompt_tokens,
-            "mean_session_stickiness": float(np.mean(stick)),
-            "sessions_with_95pct_turns_on_one_rank": float(np.mean(np.asarray(stick) >= 0.95)),
+    return {"policy": policy, "prefix_hit_rate": hit_tokens / prompt_tokens, **stickiness(placed.values()),
             "sticky_moves_when_saturated": router.moved}
+
+
+def stickiness(ranks_per_session) -> dict:
+    """From each session's ranks, turn by turn: the mean share of a session's turns on its most used rank,
+    and the share of sessions with >= 95% of their turns on one rank."""
+    stick = np.array([Counter(r).most_common(1)[0][1] / len(r) for r in ranks_per_session])
+    return {"mean_session_stickiness": float(stick.mean()),
+            "sessions_with_95pct_turns_on_one_rank": float(np.mean(stick >= 0.95))}
+
+
+def emit(result: dict, out: str | None) -> None:
+    """Print the JSON and, with `out`, also write it there."""
+    text = json.dumps(result, indent=1)
+    print(text)
+    if out:
+        Path(out).write_text(text + "\n")
 
 
 def main() -> None:
@@ -67,11 +81,7 @@ def main() -> None:
     a = ap.parse_args()
     res = {p: simulate(p, ranks=a.ranks, sessions=a.sessions, turns=a.turns, seed=a.seed, cache_blocks=a.cache_blocks,
                        max_inflight=a.max_inflight, use_session_header=not a.no_session_header) for p in POLICIES}
-    text = json.dumps(res, indent=1)
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
+    emit(res, a.out)
 
 
 if __name__ == "__main__":

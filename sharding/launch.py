@@ -37,6 +37,7 @@ def serve_requests(args: argparse.Namespace) -> dict:
 
     import dsv41
     from serving.engine.engine import Engine, EngineArgs
+    from serving.runtime.kv_cache import smallest_block_size
     from serving.runtime.runner import enable_compilation_cache
     from serving.sampling_params import SamplingParams
     from sharding.mesh import ParallelConfig
@@ -48,7 +49,7 @@ def serve_requests(args: argparse.Namespace) -> dict:
     c = model.config
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(3, c.vocab_size - 1, args.prompt_len).tolist() for _ in range(args.num_requests)]
-    block = max(8, max(c.compress_ratios) * c.candidate_block_size)  # whole candidate blocks per page
+    block = smallest_block_size(c)
     ea = EngineArgs(max_num_seqs=max(1, args.num_requests), max_num_batched_tokens=args.prompt_len,
                     max_model_len=-(-(args.prompt_len + args.decode_steps + 1) // block) * block, block_size=block,
                     token_buckets=(args.prompt_len,), swa_bounded_replay=False)  # one compiled step size

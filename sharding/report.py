@@ -27,7 +27,7 @@ from jax.sharding import AbstractMesh
 
 from dsv41.api import abstract_params
 from dsv41.config import load_config
-from serving.runtime.kv_cache import CacheLayout
+from serving.runtime.kv_cache import CacheLayout, smallest_block_size
 from sharding import rules
 from sharding.mesh import MESH_AXES, ParallelConfig
 
@@ -100,7 +100,7 @@ def hlo_report(preset: str, pc: ParallelConfig, *, prefill_tokens: int, decode_b
     sm = ShardedModel(dsv41.random_model(preset, seed=0), pc, capacity_buckets=1)
     prefill = collective_bytes(sm.lower_logits(prefill_tokens).compile().as_text())
     c = sm.config
-    block = max(8, max(c.compress_ratios) * c.candidate_block_size)
+    block = smallest_block_size(c)
     rc = RuntimeConfig(max_num_seqs=decode_batch, max_num_batched_tokens=decode_batch,  # per dp rank
                        max_model_len=4 * block, block_size=block, token_buckets=(decode_batch,))
     runner = Runner(sm, rc, progress=False, placement=MeshPlacement(sm.mesh))

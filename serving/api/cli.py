@@ -43,13 +43,14 @@ def parser() -> argparse.ArgumentParser:
     a("--compilation-cache-dir", default=DEFAULT_CACHE, help="persistent XLA cache ('' turns it off)")
     a("--disable-access-log", action="store_true")
     a("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    from sharding.dp_router import POLICIES
     from sharding.mesh import ParallelConfig
 
     ParallelConfig.add_arguments(p)
     p.add_argument("--num-cpu-devices", type=int, default=None,
                    help="on the CPU backend: split the host into this many devices (to run parallel layouts "
                         "without accelerators)")
-    p.add_argument("--dp-routing-policy", default="sticky", choices=["sticky", "load"],
+    p.add_argument("--dp-routing-policy", default="sticky", choices=POLICIES,
                    help="data-parallel ranks: keep a session (X-Session-ID, else its prompt's first tokens) on the "
                         "rank holding its prefix cache unless saturated (sticky), or always the least-loaded rank")
     p.add_argument("--dp-max-inflight", type=int, default=None,

@@ -14,6 +14,7 @@ e4m3 + UE8M0 per 32 (528 B/row), global NVFP4 (288 B/row), index keys MXFP4 (68 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import jax
@@ -108,6 +109,14 @@ class CacheLayout:
 
 def _nbytes(s: jax.ShapeDtypeStruct) -> int:
     return int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize
+
+
+def smallest_block_size(config: ModelConfig, at_least: int = 8) -> int:
+    """The smallest block size >= at_least that `CacheLayout` accepts: whole compressed rows and whole
+    candidate blocks of every KV source per block."""
+    unit = math.lcm(1, *(config.compress_ratios[r.layer_id] * max(config.candidate_block_size, 1)
+                         for r in config.roles if r.is_kv_source))
+    return -(-at_least // unit) * unit
 
 
 def plan_layout(config: ModelConfig, *, memory_bytes: int, block_size: int, num_slots: int, max_model_len: int,

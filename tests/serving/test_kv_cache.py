@@ -3,7 +3,7 @@
 import pytest
 
 from dsv41.config import ModelConfig
-from serving.runtime.kv_cache import CacheLayout, plan_layout
+from serving.runtime.kv_cache import CacheLayout, plan_layout, smallest_block_size
 
 
 def test_full_config_release_records_match_spec():
@@ -35,3 +35,14 @@ def test_budget_sizing_and_errors():
         CacheLayout(c, 1, 7, 1)
     with pytest.raises(ValueError, match="kv cache format"):
         CacheLayout(c, 1, 8, 1, fmt="int4")
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small", "v41-flash"])
+@pytest.mark.parametrize("at_least", [1, 8, 20])
+def test_smallest_block_size_is_the_least_accepted(preset, at_least):
+    c = ModelConfig.preset(preset)
+    b = smallest_block_size(c, at_least)
+    CacheLayout(c, 1, b, 1)  # accepted
+    for smaller in range(at_least, b):
+        with pytest.raises(ValueError, match="block_size"):
+            CacheLayout(c, 1, smaller, 1)

@@ -29,6 +29,7 @@ def main() -> None:
 
     import dsv41
     from serving.engine.engine import Engine, EngineArgs
+    from serving.runtime.kv_cache import smallest_block_size
     from serving.runtime.runner import enable_compilation_cache
     from serving.sampling_params import SamplingParams
     from sharding.mesh import ParallelConfig
@@ -40,7 +41,7 @@ def main() -> None:
     enable_compilation_cache(cli.compilation_cache_dir)
     model = dsv41.random_model("tiny", seed=1)
     c = model.config
-    block = max(8, max(c.compress_ratios) * c.candidate_block_size)  # whole candidate blocks per page
+    block = smallest_block_size(c)
     base = EngineArgs(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, block_size=block,
                       token_buckets=(16,), swa_bounded_replay=False)
     rng = np.random.default_rng(0)

@@ -43,6 +43,7 @@ def main() -> None:
 
     import jax
     import dsv41
+    from serving.runtime.kv_cache import smallest_block_size
     from serving.runtime.runner import Runner, RuntimeConfig
     from sharding.mesh import ParallelConfig
     from sharding.model import ShardedModel
@@ -64,7 +65,7 @@ def main() -> None:
     if args.noise_floor:
         out["reference"]["one_ulp_expert_noise"] = one_ulp_noise(model, tokens, ref)
     c = model.config
-    block = max(8, max(c.compress_ratios) * c.candidate_block_size)  # whole candidate blocks per page
+    block = smallest_block_size(c)
     rc = RuntimeConfig(max_num_seqs=8, max_num_batched_tokens=PROMPT, max_model_len=64, block_size=block,
                        token_buckets=(PROMPT,), swa_bounded_replay=False)
     one_device_runtime = None

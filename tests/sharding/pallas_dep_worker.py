@@ -33,6 +33,7 @@ def main() -> None:
     import jax
 
     import dsv41
+    from serving.runtime.kv_cache import smallest_block_size
     from serving.runtime.runner import Runner, RuntimeConfig
     from sharding.mesh import ParallelConfig
     from sharding.model import ShardedModel
@@ -43,7 +44,7 @@ def main() -> None:
         raise SystemExit(f"needs 4 devices, got {jax.device_count()} (XLA_FLAGS not applied?)")
     model = dsv41.random_model("tiny", seed=1)
     c = model.config
-    block = max(8, max(c.compress_ratios) * c.candidate_block_size)
+    block = smallest_block_size(c)
     rc = RuntimeConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, block_size=block,
                        token_buckets=(16,), swa_bounded_replay=False, kernel_impl="pallas")
     sm = ShardedModel(model, ParallelConfig(tensor_parallel_size=2, data_parallel_size=2,
