@@ -13,7 +13,7 @@ def __getattr__(name: str):
 
         return LLM
     if name == "SamplingParams":
-        from serving.sampling_params import SamplingParams
+        from serving.runtime.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'serving' has no attribute {name!r}")

@@ -19,7 +19,7 @@ from serving.api.encoding import encode_messages
 from serving.engine.engine import Engine, EngineArgs
 from serving.engine.request import TokenLogprob
 from serving.model_source import ModelSource, load_model
-from serving.sampling_params import SamplingParams
+from serving.runtime.sampling_params import SamplingParams
 
 
 @dataclass

@@ -25,7 +25,7 @@ from sharding.bench_router import emit, stickiness
 
 def run(policy: str, sm, placement, a: argparse.Namespace) -> dict:
     from serving.engine.engine import Engine, EngineArgs
-    from serving.sampling_params import SamplingParams
+    from serving.runtime.sampling_params import SamplingParams
 
     ea = EngineArgs(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                     max_model_len=a.max_model_len, block_size=a.block_size,

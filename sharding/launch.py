@@ -39,7 +39,7 @@ def serve_requests(args: argparse.Namespace) -> dict:
     from serving.engine.engine import Engine, EngineArgs
     from serving.runtime.kv_cache import smallest_block_size
     from serving.runtime.runner import enable_compilation_cache
-    from serving.sampling_params import SamplingParams
+    from serving.runtime.sampling_params import SamplingParams
     from sharding.mesh import ParallelConfig
     from sharding.model import ShardedModel
     from sharding.runtime import MeshPlacement

@@ -93,7 +93,8 @@ def collective_bytes(hlo_text: str) -> dict[str, dict[str, int]]:
 
 def hlo_report(preset: str, pc: ParallelConfig, *, prefill_tokens: int, decode_batch: int) -> dict:
     import dsv41
-    from serving.runtime.runner import Runner, RuntimeConfig
+    from serving.runtime.config import RuntimeConfig
+    from serving.runtime.runner import Runner
     from sharding.model import ShardedModel
     from sharding.runtime import MeshPlacement
 
@@ -107,7 +108,7 @@ def hlo_report(preset: str, pc: ParallelConfig, *, prefill_tokens: int, decode_b
     decode: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
     for key in (("seg1", decode_batch), ("seg2", decode_batch)):
         runner.precompile([key])
-        for op, v in collective_bytes(runner._exe[key].as_text()).items():
+        for op, v in collective_bytes(runner.compiled_text(key)).items():
             decode[op]["count"] += v["count"]
             decode[op]["bytes"] += v["bytes"]
     return {"hlo_preset": preset,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from serving.engine.async_engine import AsyncEngine, RequestStream
 from serving.engine.request import RequestOutput, TokenLogprob
-from serving.sampling_params import SamplingParams
+from serving.runtime.sampling_params import SamplingParams
 
 
 @dataclass

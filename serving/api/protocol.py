@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from serving.sampling_params import MAX_LOGPROBS, SamplingParams
+from serving.runtime.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 class StreamOptions(BaseModel):

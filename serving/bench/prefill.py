@@ -19,7 +19,8 @@ import numpy as np
 
 import dsv41
 from serving.runtime.batch import SeqChunk
-from serving.runtime.runner import Runner, RuntimeConfig
+from serving.runtime.config import RuntimeConfig
+from serving.runtime.runner import Runner
 
 
 def _chunk(r: Runner, slot: int, tokens: list[int], start: int, end: int, trim: bool) -> SeqChunk:

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 
 from serving.engine.engine import Engine
 from serving.engine.request import RequestOutput
-from serving.sampling_params import SamplingParams
+from serving.runtime.sampling_params import SamplingParams
 
 log = logging.getLogger("serving.engine")
 

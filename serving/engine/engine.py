@@ -23,8 +23,9 @@ from serving.engine.output import OutputState
 from serving.engine.request import Request, RequestOutput, TokenLogprob
 from serving.engine.scheduler import Scheduled, SchedulerConfig
 from serving.runtime.batch import SeqChunk
-from serving.runtime.runner import Runner, RuntimeConfig, StepOutput
-from serving.sampling_params import SamplingParams
+from serving.runtime.config import RuntimeConfig
+from serving.runtime.runner import Runner, StepOutput
+from serving.runtime.sampling_params import SamplingParams
 from sharding.dp_router import POLICIES
 from sharding.eplb import EplbConfig
 
@@ -74,7 +75,7 @@ class EngineArgs:
                              max_model_len=self.max_model_len, block_size=self.block_size,
                              kv_cache_dtype=self.kv_cache_dtype, kv_cache_memory=self.kv_cache_memory,
                              swa_bounded_replay=self.swa_bounded_replay, tile=self.tile, fake_quant=self.fake_quant,
-                             seed=self.seed, token_buckets=self.token_buckets, expert_counts=self.eplb)
+                             seed=self.seed, token_buckets=self.token_buckets)
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
@@ -95,7 +96,8 @@ class Engine:
         self.metrics = EngineMetrics(model_name)
         # before the runner: EPLB's first placement is part of the graph the runner compiles
         self.eplb = EngineEplb(model, args.eplb_config(), self.metrics) if args.eplb else None
-        self.runner = Runner(model, args.runtime_config(), progress=progress, placement=placement)
+        self.runner = Runner(model, args.runtime_config(), progress=progress, placement=placement,
+                             expert_counts=args.eplb)
         self.runner.precompile()
         layout = self.runner.layout
         self.scheduler = DataParallelScheduler(args.scheduler_config(), model.config, num_blocks=layout.num_blocks,
@@ -175,8 +177,8 @@ class Engine:
                 now = time.monotonic()
                 for i, s in enumerate(sched):
                     self.scheduler.computed(s)
-                    if i in out.rows:
-                        self._collect_prompt_logprobs(s, out.rows[i])
+                    if i in out.prompt_logprobs:
+                        self._collect_prompt_logprobs(s, out.prompt_logprobs[i])
                     if s.sample:
                         outputs.append(self._sampled(s.request, out, i, now))
         self._update_gauges()
@@ -188,7 +190,7 @@ class Engine:
                         rank=req.rank, start=s.start, end=s.end, kv_floor=req.plan.replay_start,
                         write_floor=req.plan.write_floor,
                         trim=self.args.swa_bounded_replay and not req.keeps_all_rows, sample=s.sample,
-                        row_logprobs=req.keeps_all_rows and req.request_id in self._prompt_lp
+                        prompt_logprobs=req.keeps_all_rows and req.request_id in self._prompt_lp
                         and s.start < req.num_prompt - 1)
 
     def _banned(self, req: Request) -> list[int]:

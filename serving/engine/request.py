@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from serving.runtime.encoder_replay import PrefixPlan
-from serving.sampling_params import SamplingParams
+from serving.runtime.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):

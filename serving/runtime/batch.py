@@ -30,7 +30,7 @@ class SeqChunk:
     write_floor: int = 0  # global / index rows whose last token is below this are not written (the hit)
     trim: bool = False  # decoder replay: only the last `window` rows run the layers after the cut
     sample: bool = True  # produce logits for position end - 1
-    row_logprobs: bool = False  # prompt logprobs: log-probabilities of every row's next token (needs trim off)
+    prompt_logprobs: bool = False  # log-probabilities of every row's next token (needs trim off)
     rank: int = 0  # the data-parallel rank holding the request's KV (slot and blocks are that rank's)
 
     @property
@@ -112,8 +112,8 @@ def build_step(chunks: Sequence[SeqChunk], buckets: Buckets, *, max_blocks: int,
         if not 0 <= ch.start < ch.end <= len(ch.token_ids):
             raise ValueError(f"request in slot {ch.slot}: chunk [{ch.start}, {ch.end}) outside its "
                              f"{len(ch.token_ids)} tokens")
-        if ch.row_logprobs and ch.trim:
-            raise ValueError(f"request in slot {ch.slot}: row logprobs need every row kept (trim=False)")
+        if ch.prompt_logprobs and ch.trim:
+            raise ValueError(f"request in slot {ch.slot}: prompt logprobs need every row kept (trim=False)")
         if len(ch.block_table) * block_size < ch.end:
             raise ValueError(f"request in slot {ch.slot}: {len(ch.block_table)} blocks do not cover {ch.end} positions")
         q = ch.num_tokens
@@ -151,11 +151,11 @@ def build_step(chunks: Sequence[SeqChunk], buckets: Buckets, *, max_blocks: int,
     kept[: len(kept_idx)] = kept_idx
     rows_next = np.zeros(T2, np.int32)  # row logprobs: the token after each kept row (0 past the known ones)
     for r, ch in enumerate(chunks):
-        if ch.row_logprobs:
+        if ch.prompt_logprobs:
             nxt = ch.token_ids[ch.start + 1:ch.end + 1]
             rows_next[req["kept_first"][r]:req["kept_first"][r] + len(nxt)] = nxt
     step2 = {"kept": kept, "valid": np.arange(T2) < len(kept_idx), "rows_next": rows_next,
-             "rows_wanted": np.array(any(ch.row_logprobs for ch in chunks)),
+             "rows_wanted": np.array(any(ch.prompt_logprobs for ch in chunks)),
              **{f"req_{k}": v for k, v in req.items()},
              **_tiles(req["kept_first"][: len(chunks)], req["kept_qlen"][: len(chunks)], buckets.tile,
                       buckets.tiles(T2)),

@@ -5,7 +5,7 @@ Shapes are bucketed: segment 1 by the step's token count, segment 2 by its kept-
 trimming), the sampler once. Every bucket is compiled ahead of time
 (`precompile`, with a progress bar); a step whose bucket was not compiled raises instead of compiling in
 the serving loop. One step = one host->device call per function and one device->host copy: the tokens
-(and, with `RuntimeConfig.expert_counts`, the MoE layers' per-expert token counts in the same copy).
+(and, with `expert_counts`, the MoE layers' per-expert token counts in the same copy).
 
 Data parallelism: with a `placement` of R data-parallel ranks (sharding.runtime.MeshPlacement) every rank
 has its own `max_num_seqs` slots, its own blocks and its own batch; a chunk says its rank (`SeqChunk.rank`)
@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import sys
 import time
-from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
 import jax
@@ -29,18 +28,19 @@ from flax import nnx
 import dsv41
 from dsv41.layers.moe import set_kernel_impl
 from serving.runtime import kv_cache, segments
+from serving.runtime.config import RuntimeConfig
 from serving.runtime.batch import Buckets, SeqChunk, build_step, token_ladder
 from serving.runtime.decoder_replay import kept_rows
 from serving.runtime.kv_cache import CacheLayout
 from serving.runtime.sampler import sample, sampling_arrays
-from serving.sampling_params import SamplingParams
+from serving.runtime.sampling_params import SamplingParams
 
 
 class CompileInServingLoop(RuntimeError):
     """A step needed a shape that was not precompiled."""
 
 
-class RowLogprobs(NamedTuple):
+class PromptLogprobs(NamedTuple):
     """Per computed row of a chunk: log-probability of the next token [q] and the top ones [q, MAX_LOGPROBS]."""
 
     logprob: np.ndarray
@@ -55,7 +55,7 @@ class StepOutput(NamedTuple):
     logprobs: np.ndarray  # [n]
     top_ids: np.ndarray  # [n, MAX_LOGPROBS]
     top_logprobs: np.ndarray  # [n, MAX_LOGPROBS]
-    rows: dict[int, RowLogprobs]  # chunk index -> its rows, for chunks with row_logprobs
+    prompt_logprobs: dict[int, PromptLogprobs]  # chunk index -> its rows' logprobs, for chunks that ask
     expert_counts: np.ndarray | None = None  # [L, E] int32 routed choices of the step's valid rows per MoE layer
 
 
@@ -68,35 +68,6 @@ class _Segments(NamedTuple):
     expert_counts: tuple  # the two segments' [L, E] counts (None when off)
     rows: list[int]  # each chunk's logits row
     where: list[tuple[int, int]]  # each chunk's (rank, index in the rank)
-
-
-@dataclass(frozen=True)
-class RuntimeConfig:
-    max_num_seqs: int = 8  # per data-parallel rank
-    max_num_batched_tokens: int = 512  # per data-parallel rank
-    max_model_len: int = 4096
-    block_size: int = 64
-    kv_cache_dtype: str = "auto"  # "auto": compute dtype (exact); "release": FP8 / NVFP4 / MXFP4 records
-    kv_cache_memory: int | None = None  # bytes per rank; default: max_num_seqs requests of max_model_len
-    swa_bounded_replay: bool = True
-    tile: int = 8
-    fake_quant: bool = False
-    max_top_k: int = 256  # sampler candidate set
-    seed: int = 0
-    token_buckets: tuple[int, ...] | None = None  # default: `token_ladder` up to max_num_batched_tokens
-    kernel_impl: str = "auto"  # fused-op implementation (pallas_kernels): auto = pallas on GPU, xla on CPU
-    expert_counts: bool = False  # return per-expert token counts with every step (EPLB's load signal)
-
-    def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "tile", "max_top_k"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.token_buckets is not None and (not self.token_buckets or min(self.token_buckets) < 1
-                                               or max(self.token_buckets) < self.max_num_batched_tokens):
-            raise ValueError(f"token_buckets {self.token_buckets} must be positive and reach "
-                             f"max_num_batched_tokens ({self.max_num_batched_tokens})")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every running request needs a row)")
 
 
 def check_supported(c: dsv41.ModelConfig) -> None:
@@ -114,9 +85,10 @@ def check_supported(c: dsv41.ModelConfig) -> None:
 
 class Runner:
     def __init__(self, model: dsv41.Model, rc: RuntimeConfig = RuntimeConfig(), *, progress: bool = True,
-                 placement=None):
+                 placement=None, expert_counts: bool = False):
         """`placement` (sharding.runtime.MeshPlacement): a model on a mesh, run per data-parallel rank;
-        None: one device."""
+        None: one device. `expert_counts`: return the MoE layers' per-expert token counts with every step
+        (the expert load balancer's signal)."""
         c = model.config
         check_supported(c)
         self.model, self.rc, self.config = model, rc, c
@@ -141,7 +113,8 @@ class Runner:
         self._leaves, treedef = jax.tree.flatten(state)
         self._graph = (graphdef, treedef)
         merge = functools.partial(_merge, graphdef, treedef)
-        kw = dict(tile=rc.tile, fake_quant=rc.fake_quant, expert_counts=rc.expert_counts)
+        self.expert_counts = expert_counts
+        kw = dict(tile=rc.tile, fake_quant=rc.fake_quant, expert_counts=expert_counts)
 
         def seg1(leaves, cache, carry_buf, b):  # one rank's cache, carry and batch
             with jax.named_scope("segment1"):
@@ -257,6 +230,30 @@ class Runner:
             raise CompileInServingLoop(f"bucket {key} was not precompiled")
         return exe
 
+    # ------------------------------------------------------------------ inspection
+    @property
+    def compiled_keys(self) -> list[tuple]:
+        """The bucket keys compiled so far (see `bucket_keys`)."""
+        return list(self._exe)
+
+    def compiled_text(self, key: tuple) -> str:
+        """The optimised HLO of a compiled bucket (what XLA runs), e.g. to check for sorts or collectives."""
+        return self._exe_for(key).as_text()
+
+    def trace(self, key: tuple):
+        """The jaxpr (`jax.make_jaxpr`) of a segment bucket on example inputs, e.g. to count kernel calls."""
+        name = key[0]
+        if name not in ("seg1", "seg2"):
+            raise ValueError(f"only segment buckets can be traced, got {key}")
+        b1, b2 = self._example(key[1], key[1])
+        return jax.make_jaxpr(self._fns[name])(self._leaves, self.cache, self.carry_buf,
+                                               self._put(b1 if name == "seg1" else b2))
+
+    @property
+    def param_leaves(self) -> list[jax.Array]:
+        """The parameter arrays the compiled steps run on (flattened NNX state)."""
+        return self._leaves
+
     def kv_report(self) -> dict:
         """Bytes of the live cache arrays: per token of the paged (prefix-cacheable) groups, per request slot
         of the private ones (SWA rings, tails); `total_bytes` over every data-parallel rank."""
@@ -317,7 +314,7 @@ class Runner:
         p = sampling_arrays(row_params, row_pos, n_rows, self.rc.seed, banned=row_banned)
         with jax.profiler.TraceAnnotation("runner.sample"):
             sampled = self._exe_for(("sample",))(logits, self._put_replicated(p))
-        sampled, counts = jax.device_get((tuple(sampled), counts if self.rc.expert_counts else None))
+        sampled, counts = jax.device_get((tuple(sampled), counts if self.expert_counts else None))
         tok, logprob, top_ids, top_lp = (a[rows] for a in sampled)
         expert_counts = np.concatenate(counts) if counts is not None else None
         out = {}
@@ -325,10 +322,10 @@ class Runner:
             T2 = b2["kept"].shape[1]
             lp, ids, tlp = (np.asarray(a) for a in row_lp)
             for i, (ch, (r, j)) in enumerate(zip(chunks, where)):
-                if ch.row_logprobs:
+                if ch.prompt_logprobs:
                     first = r * T2 + b2["req_kept_first"][r, j]
                     sl = slice(first, first + b2["req_kept_qlen"][r, j])
-                    out[i] = RowLogprobs(lp[sl], ids[sl], tlp[sl])
+                    out[i] = PromptLogprobs(lp[sl], ids[sl], tlp[sl])
         return StepOutput(tok, logprob, top_ids, top_lp, out, expert_counts)
 
     def _put_replicated(self, tree):

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving.sampling_params import MAX_BANNED, MAX_LOGPROBS, SamplingParams
+from serving.runtime.sampling_params import MAX_BANNED, MAX_LOGPROBS, SamplingParams
 
 
 def sampling_arrays(params: list[SamplingParams | None], positions: list[int], rows: int, default_seed: int,

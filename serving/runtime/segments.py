@@ -31,7 +31,7 @@ from serving.runtime.attention import Tiles, attention, flat_band, fused_attenti
 from serving.runtime.decoder_replay import gather_kept
 from serving.runtime.global_kv import TokenMeta
 from serving.runtime.kv_cache import CacheLayout
-from serving.sampling_params import MAX_LOGPROBS
+from serving.runtime.sampling_params import MAX_LOGPROBS
 
 REQ_KEYS = ("slot", "start", "end", "first", "qlen", "kv_floor", "write_floor", "dec_floor", "kept_first",
             "kept_qlen", "logit_row", "block_table", "valid", "sample")

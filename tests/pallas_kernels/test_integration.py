@@ -16,7 +16,8 @@ import dsv41
 from dsv41.block import Block
 from dsv41.layers.moe import Experts, Router, set_kernel_impl
 from dsv41.model import forward
-from serving.runtime.runner import Runner, RuntimeConfig
+from serving.runtime.config import RuntimeConfig
+from serving.runtime.runner import Runner
 from tests.pallas_kernels.util import fresh_rng
 from tests.serving.driver import Driver
 
@@ -103,9 +104,7 @@ def test_runtime_logits_agree_across_impls_and_segments_hold_the_kernel(tiny):
     finally:
         set_kernel_impl(tiny.module, "auto")
     np.testing.assert_allclose(got, ref, **TOL, err_msg=msg)
-    b1, b2 = runner._example(16, 16)
-    args = (runner._leaves, runner.cache, runner.carry_buf)
-    seg1, seg2 = (jax.make_jaxpr(runner._fns[f])(*args, b) for f, b in (("seg1", b1), ("seg2", b2)))
+    seg1, seg2 = runner.trace(("seg1", 16)), runner.trace(("seg2", 16))
     mhc_calls = pallas_calls(seg1, "mhc_post_pre") + pallas_calls(seg2, "mhc_post_pre")
     assert mhc_calls == expected_fused_sites(tiny.module.layers)  # the segments split the model's sites
     # The attention kernel runs in every layer but the cut layer's second half (its gathered band).

@@ -11,8 +11,9 @@ import dsv41
 from dsv41.layers.moe import Router
 from dsv41.model import forward
 from serving.runtime.batch import SeqChunk
-from serving.runtime.runner import Runner, RuntimeConfig
-from serving.sampling_params import SamplingParams
+from serving.runtime.config import RuntimeConfig
+from serving.runtime.runner import Runner
+from serving.runtime.sampling_params import SamplingParams
 
 BLOCK = 8
 
@@ -46,8 +47,8 @@ def _router_choices(model, tokens: list[int]) -> np.ndarray:
 def test_step_counts_equal_router_counts(model):
     c = model.config
     rc = RuntimeConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=48, block_size=BLOCK,
-                       token_buckets=(32,), swa_bounded_replay=False, expert_counts=True)
-    runner = Runner(model, rc, progress=False)
+                       token_buckets=(32,), swa_bounded_replay=False)
+    runner = Runner(model, rc, progress=False, expert_counts=True)
     runner.precompile()
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(3, c.vocab_size - 1, n)] for n in (13, 6)]

@@ -7,7 +7,8 @@ import pytest
 
 import dsv41
 from dsv41.bounded import bounded_logits
-from serving.runtime.runner import CompileInServingLoop, Runner, RuntimeConfig
+from serving.runtime.config import RuntimeConfig
+from serving.runtime.runner import CompileInServingLoop, Runner
 from tests.serving.driver import Driver
 
 TOL = 1e-5
@@ -173,7 +174,7 @@ def test_segments_compile_to_topk_without_sort(exact):
 
     K = exact.config.candidate_topk_blocks
     for key in (("seg1", 32), ("seg2", 32)):
-        hlo = exact._exe[key].as_text()
+        hlo = exact.compiled_text(key)
         assert re.search(r"TopK", hlo, re.IGNORECASE), key
         for shape, dim in re.findall(r"\[([\d,]+)\][^ ]* sort\(.*?dimensions=\{(\d+)\}", hlo):
             n = int(shape.split(",")[int(dim)])
@@ -224,9 +225,9 @@ def test_row_logprobs_of_a_kept_request_match_the_full_forward(model, bounded):
     for start, end in ((0, 20), (20, 45)):
         assert d.bm.allocate("a", end)
         ch = SeqChunk(slot=r.slot, block_table=d.bm.block_table("a"), token_ids=prompt, start=start, end=end,
-                      row_logprobs=True)
+                      prompt_logprobs=True)
         out = bounded.step([ch], [None])
-        got.update({start + j: (out.rows[0].logprob[j], out.rows[0].top_ids[j]) for j in range(end - start)})
+        got.update({start + j: (out.prompt_logprobs[0].logprob[j], out.prompt_logprobs[0].top_ids[j]) for j in range(end - start)})
         d.bm.commit("a", prompt, end)
     full = np.asarray(model.logits(np.array(prompt)), np.float64)
     logp = full - np.log(np.exp(full - full.max(1, keepdims=True)).sum(1, keepdims=True)) - full.max(1, keepdims=True)

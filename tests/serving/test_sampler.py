@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from serving.runtime.sampler import sample, sampling_arrays
-from serving.sampling_params import MAX_LOGPROBS, SamplingParams
+from serving.runtime.sampling_params import MAX_LOGPROBS, SamplingParams
 
 V = 300
 

@@ -31,7 +31,7 @@ def main() -> None:
     from serving.engine.engine import Engine, EngineArgs
     from serving.runtime.kv_cache import smallest_block_size
     from serving.runtime.runner import enable_compilation_cache
-    from serving.sampling_params import SamplingParams
+    from serving.runtime.sampling_params import SamplingParams
     from sharding.mesh import ParallelConfig
     from sharding.model import ShardedModel
     from sharding.runtime import MeshPlacement
@@ -57,7 +57,7 @@ def main() -> None:
     args = EngineArgs(**{**base.__dict__, "eplb": True, "eplb_window_size": WINDOW, "eplb_step_interval": INTERVAL,
                          "eplb_num_redundant_experts": c.n_routed_experts})
     eng = Engine(sm, None, args, progress=False, placement=MeshPlacement(sm.mesh))
-    compiled_before = sorted(map(str, eng.runner._exe))
+    compiled_before = sorted(map(str, eng.runner.compiled_keys))
     placements = [eng.eplb.state.placement.phys_to_log.tolist()]
     rearranged_at = []
     n_steps = 0
@@ -80,8 +80,8 @@ def main() -> None:
                       "balancedness": eng.eplb.state.balancedness(),
                       "before_after": [eng.eplb.state.last_balancedness_before,
                                        eng.eplb.state.last_balancedness_after],
-                      "compiled_before": compiled_before, "compiled_after": sorted(map(str, eng.runner._exe)),
-                      "runner_runs_model_leaves": all(a is b for a, b in zip(eng.runner._leaves, sm.leaves())),
+                      "compiled_before": compiled_before, "compiled_after": sorted(map(str, eng.runner.compiled_keys)),
+                      "runner_runs_model_leaves": all(a is b for a, b in zip(eng.runner.param_leaves, sm.leaves())),
                       "metrics": metrics}))
 
 

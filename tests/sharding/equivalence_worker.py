@@ -44,7 +44,8 @@ def main() -> None:
     import jax
     import dsv41
     from serving.runtime.kv_cache import smallest_block_size
-    from serving.runtime.runner import Runner, RuntimeConfig
+    from serving.runtime.config import RuntimeConfig
+    from serving.runtime.runner import Runner
     from sharding.mesh import ParallelConfig
     from sharding.model import ShardedModel
     from sharding.runtime import MeshPlacement

@@ -34,7 +34,8 @@ def main() -> None:
 
     import dsv41
     from serving.runtime.kv_cache import smallest_block_size
-    from serving.runtime.runner import Runner, RuntimeConfig
+    from serving.runtime.config import RuntimeConfig
+    from serving.runtime.runner import Runner
     from sharding.mesh import ParallelConfig
     from sharding.model import ShardedModel
     from sharding.runtime import MeshPlacement
@@ -58,8 +59,7 @@ def main() -> None:
     for t in tokens[PROMPT:]:
         d.append("a", t)
         got.append(d.step({"a": 1})["a"])
-    _, b2 = runner._example(16, 16)
-    seg2 = jax.make_jaxpr(runner._fns["seg2"])(runner._leaves, runner.cache, runner.carry_buf, runner._put(b2))
+    seg2 = runner.trace(("seg2", 16))
     model.set_kernel_impl("reference")
     ref = model.logits(np.array(tokens))[PROMPT - 1:]
     print(json.dumps({"max_abs_err": float(np.abs(np.stack(got) - ref).max()), "ranks": runner.ranks,

@@ -13,7 +13,7 @@ import pytest
 import dsv41
 from serving.engine.engine import Engine, EngineArgs
 from serving.runtime.kv_cache import CacheLayout
-from serving.sampling_params import SamplingParams
+from serving.runtime.sampling_params import SamplingParams
 
 
 

@@ -8,7 +8,7 @@ import pytest
 from serving.api.tokenizer import byte_level_tokenizer
 from serving.engine.output import OutputState
 from serving.engine.request import Request
-from serving.sampling_params import SamplingParams
+from serving.runtime.sampling_params import SamplingParams
 
 TOK = byte_level_tokenizer(512)
 

@@ -9,7 +9,7 @@ import dsv41
 from serving.engine.request import Request, Status
 from serving.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
 from serving.runtime.block_manager import BlockManager
-from serving.sampling_params import SamplingParams
+from serving.runtime.sampling_params import SamplingParams
 
 CFG = dsv41.ModelConfig.preset("tiny")  # window 8: a hit of H > 8 tokens restarts at H - 8
 BS = 8
