@@ -2,7 +2,8 @@
 
 Every op module exposes `reference` (plain jnp from the spec), `xla` (the fast path on CPU), `pallas`
 (the GPU kernel; interpreted off a GPU) and one dispatch function taking `impl="auto" | "reference" | "xla"
-| "pallas"` (auto: pallas on a GPU backend, xla elsewhere). The package imports nothing of the model.
+| "pallas"` (auto: pallas on a GPU backend, xla elsewhere). The serving runtime calls the dispatch under every
+implementation, so the CPU runs the same op a GPU runs. The package imports nothing of the model.
 """
 
 from pallas_kernels.dispatch import IMPLS, resolve_impl
@@ -12,6 +13,7 @@ from pallas_kernels.mhc import mhc_post_pre
 from pallas_kernels.moe_gmm import routed_experts
 from pallas_kernels.router import route
 from pallas_kernels.sparse_attention import AttnMeta, sparse_mla
+from pallas_kernels.tiles import QueryTiles, plan_tiles
 
 __all__ = ["IMPLS", "resolve_impl", "AttnMeta", "sparse_mla", "route", "IndexMeta", "index_topk", "mhc_post_pre",
-           "routed_experts", "QuantizedExperts", "quantized_experts"]
+           "routed_experts", "QuantizedExperts", "quantized_experts", "QueryTiles", "plan_tiles"]

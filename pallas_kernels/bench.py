@@ -29,6 +29,7 @@ import numpy as np
 from pallas_kernels import indexer, mhc, moe_gmm, router
 from pallas_kernels import sparse_attention as sa
 from pallas_kernels.expert_weights import QuantizedExperts, weight_bytes
+from pallas_kernels.tiles import max_tiles, plan_tiles
 
 H200_BYTES_PER_S, H200_FLOPS = 4.8e12, 990e12  # datasheet figures NOTES.md predicts with
 
@@ -78,8 +79,11 @@ def _attention_case(rng, *, B, ctx, prefill_rows, smoke):
     start = ctx - (T if prefill_rows else 1)
     pos = start + (jnp.arange(T) if prefill_rows else jnp.zeros(T, jnp.int32))
     req = jnp.zeros(T, jnp.int32) if prefill_rows else jnp.arange(T, dtype=jnp.int32)
+    # the XLA path's tile plan as the runtime makes it: 8 consecutive rows of the prefill per tile
+    tiles = plan_tiles(np.zeros(1, np.int32), np.array([T]), 8, max_tiles(T, 1, 8)) if prefill_rows else None
     meta = sa.AttnMeta(pos.astype(jnp.int32), req, jnp.arange(R, dtype=jnp.int32), jnp.full((R,), start, jnp.int32),
-                       jnp.zeros(R, jnp.int32), jnp.arange(R * nb_req, dtype=jnp.int32).reshape(R, nb_req))
+                       jnp.zeros(R, jnp.int32), jnp.arange(R * nb_req, dtype=jnp.int32).reshape(R, nb_req),
+                       tiles=tiles)
     topk = jnp.asarray(rng.integers(0, min(ctx, nb_req * rpb), (T, K)), jnp.int32)
     f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
     theta = jnp.asarray(rng.uniform(0, 6, (T, 32 if not smoke else 8)), jnp.float32)

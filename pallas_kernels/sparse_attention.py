@@ -5,10 +5,13 @@ the per-head sink, inverse RoPE on the output and an optional FP8 cast for the g
 All heads share one K=V latent per row, so a program holds a block of heads as the M side of two small
 GEMMs (scores q k^T, output p v) and reads every key row once for those heads.
 
-Inputs, for T query rows of R requests (the rows of one request contiguous, consecutive positions):
+Inputs, for T query rows of R requests (each request's rows in position order):
   q_THd       un-rotated queries;  cos_Tr, sin_Tr [T, d_r/2]: RoPE angles at each query's position
   sink_H      per-head sink logit (joins the softmax denominator only)
-  kv_Td       this call's own SWA rows (RoPE'd, float), row t at position pos_T[t]
+  kv_Td       this call's own SWA rows (RoPE'd, float): each request's rows from its `start` position on,
+              consecutive; the query at row t finds its own position's row at meta.kv_row_T[t] (default t).
+              The rows may be a superset of the queries' (a layer that runs on a subset of a step's rows
+              still reads the window rows of the whole step).
   ring_SWx    per-slot SWA ring (W a power of two): slot entry k holds the latest position < start that
               is congruent to k mod W; FP8 records (uint8 [.., d + d/32]) or float rows [.., d]
   meta        AttnMeta below
@@ -32,6 +35,7 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels import records
 from pallas_kernels.common import FP8_OUT_BLOCK, fp8_block_cast, full_width_angles, rotate
 from pallas_kernels.dispatch import interpret_default, resolve_impl
+from pallas_kernels.tiles import QueryTiles, map_tiles, plan_or_rows, scatter_rows, tile_rows
 
 
 class AttnMeta(NamedTuple):
@@ -41,6 +45,12 @@ class AttnMeta(NamedTuple):
     start_R: jax.Array  # [R] first position of the request in this call (the ring holds earlier ones)
     floor_R: jax.Array  # [R] lowest visible SWA position (replay floor; 0 when none)
     block_table_RM: jax.Array  # [R, max_blocks] global-row blocks
+    kv_row_T: jax.Array | None = None  # [T] row of kv_Td holding each query's own position (None: row t)
+    tiles: QueryTiles | None = None  # the XLA path's work plan (None: one row per tile)
+
+
+def _kv_rows(meta: AttnMeta, T: int) -> jax.Array:
+    return jnp.arange(T, dtype=jnp.int32) if meta.kv_row_T is None else meta.kv_row_T
 
 
 def _check(q, cos, kv, ring, meta, rows, topk):
@@ -50,14 +60,16 @@ def _check(q, cos, kv, ring, meta, rows, topk):
         raise ValueError(f"ring_SWx: the SWA window {W} must be a power of two")
     if cos.shape != (T, cos.shape[1]) or 2 * cos.shape[1] > d:
         raise ValueError(f"cos_Tr: expected [{T}, d_r/2] with d_r <= {d}, got {cos.shape}")
-    if kv.shape != (T, d):
-        raise ValueError(f"kv_Td: expected {(T, d)}, got {kv.shape}")
+    if kv.ndim != 2 or kv.shape[1] != d or (meta.kv_row_T is None and kv.shape[0] != T):
+        raise ValueError(f"kv_Td: expected {(T, d)} (or [N, {d}] with meta.kv_row_T), got {kv.shape}")
     if ring.dtype == jnp.uint8:
         records.check_record("fp8", d, ring.shape[2], "ring_SWx")
     elif ring.shape[2] != d:
         raise ValueError(f"ring_SWx: float rows must have {d} channels, got {ring.shape[2]}")
     if meta.pos_T.shape != (T,) or meta.req_T.shape != (T,):
         raise ValueError(f"meta.pos_T / meta.req_T must be [{T}]")
+    if meta.kv_row_T is not None and meta.kv_row_T.shape != (T,):
+        raise ValueError(f"meta.kv_row_T must be [{T}], got {meta.kv_row_T.shape}")
     if (rows is None) != (topk is None):
         raise ValueError("rows_NPx and topk_TK come together")
     if rows is not None:
@@ -89,14 +101,14 @@ def _fp8_cast_ref(o_TC, block):
 
 def _swa_keys(kv, ring, meta, d, decode_fn):
     """SWA keys [T, W, d] (float32) and their visibility [T, W] for every query row."""
-    T, W = kv.shape[0], ring.shape[1]
+    T, W = meta.pos_T.shape[0], ring.shape[1]
     o = jnp.arange(W)
     p, r = meta.pos_T, meta.req_T
     kp = p[:, None] - o[None]
-    in_chunk = kp >= meta.start_R[r][:, None]
-    chunk = kv.astype(jnp.float32)[jnp.clip(jnp.arange(T)[:, None] - o[None], 0, T - 1)]
+    in_call = kp >= meta.start_R[r][:, None]
+    own = kv.astype(jnp.float32)[jnp.clip(_kv_rows(meta, T)[:, None] - o[None], 0, kv.shape[0] - 1)]
     ring_rows = decode_fn("fp8", ring[meta.slot_R[r][:, None], jnp.mod(kp, W)], d)
-    keys = jnp.where(in_chunk[..., None], chunk, ring_rows)
+    keys = jnp.where(in_call[..., None], own, ring_rows)
     return keys, kp >= jnp.maximum(meta.floor_R[r], 0)[:, None]
 
 
@@ -138,43 +150,72 @@ def _finish(out_THd, cos, sin, out_fp8):
     return q8.reshape(T, H * d), s.reshape(T, -1)
 
 
+def ring_positions(start: jax.Array, window: int) -> jax.Array:
+    """Positions held by the ring slots [.., W] of a request whose next position is `start`: slot k holds
+    the latest position < start congruent to k mod W (negative = never written)."""
+    k = jnp.arange(window)
+    return start[..., None] - 1 - jnp.mod(start[..., None] - 1 - k, window)
+
+
+def _sink_softmax(logits: list[jax.Array], sink_H: jax.Array) -> tuple[list[jax.Array], jax.Array]:
+    """Unnormalised probabilities of key blocks [.., H, K_i] sharing one softmax whose denominator also holds
+    exp(sink_h), and that denominator [.., H, 1]."""
+    sink = jnp.broadcast_to(sink_H.astype(jnp.float32)[:, None], (*logits[0].shape[:-1], 1))
+    m = jnp.max(jnp.concatenate([*logits, sink], axis=-1), axis=-1, keepdims=True)
+    probs = [jnp.exp(s - m) for s in logits]
+    return probs, jnp.exp(sink - m) + sum(jnp.sum(p, axis=-1, keepdims=True) for p in probs)
+
+
 def xla(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_NPx=None, topk_TK=None, *,
-        out_fp8: bool = False, tile: int = 64):
-    """The CPU path: queries in tiles of `tile` under lax.map so the gathered keys stay bounded."""
+        out_fp8: bool = False):
+    """The CPU path, per query tile (`meta.tiles`): the tile's request ring [W] and its in-call rows from
+    W - 1 rows before the tile through its last [W - 1 + size] are decoded once and shared by the tile's
+    queries (two small GEMMs per tile); each query adds its own top-k rows. Tiles run in vectorised groups
+    under lax.map, so the gathered keys stay bounded."""
     _check(q_THd, cos_Tr, kv_Td, ring_SWx, meta, rows_NPx, topk_TK)
     T, H, d = q_THd.shape
+    W = ring_SWx.shape[1]
     hi = jax.lax.Precision.HIGHEST
+    scale = d ** -0.5
     cos, sin = full_width_angles(cos_Tr, sin_Tr, d)
-    q = rotate(q_THd.astype(jnp.float32), cos[:, None], sin[:, None]) * d ** -0.5
+    q_all = rotate(q_THd.astype(jnp.float32), cos[:, None], sin[:, None])
+    tiles = plan_or_rows(meta.tiles, meta.req_T)
+    kv_row = _kv_rows(meta, T)
+    n_kv = kv_Td.shape[0]
 
-    def one_tile(rows_u):
-        m = meta._replace(pos_T=meta.pos_T[rows_u], req_T=meta.req_T[rows_u])
-        keys, ok = _swa_keys_at(kv_Td, ring_SWx, m, rows_u, d)
-        if rows_NPx is not None:
-            g, gok = _global_keys(rows_NPx, topk_TK[rows_u], m, d, records.decode_rows)
-            keys, ok = jnp.concatenate([keys, g], axis=1), jnp.concatenate([ok, gok], axis=1)
-        s = jnp.where(ok[:, None], jnp.einsum("uhd,ukd->uhk", q[rows_u], keys, precision=hi), -jnp.inf)
-        mx = jnp.maximum(jnp.max(s, axis=-1), sink_H[None].astype(jnp.float32))
-        p = jnp.exp(s - mx[..., None])
-        denom = jnp.exp(sink_H[None] - mx) + jnp.sum(p, axis=-1)
-        return jnp.einsum("uhk,ukd->uhd", p, keys, precision=hi) / denom[..., None]
+    def one_tile(i):
+        rows, qok = tile_rows(tiles, i, T)
+        r = tiles.req_N[i]
+        q, qpos = q_all[rows], meta.pos_T[rows]
+        # in-call rows: the W - 1 positions before the tile's first query through its last row
+        first = tiles.first_N[i]
+        u = jnp.arange(W - 1 + tiles.size) - (W - 1)
+        bkv = kv_Td[jnp.clip(kv_row[first] + u, 0, n_kv - 1)].astype(jnp.float32)
+        bpos = meta.pos_T[first] + u
+        rkv = records.decode_rows("fp8", ring_SWx[meta.slot_R[r]], d)
+        rpos = ring_positions(meta.start_R[r], W)
+        keys = jnp.concatenate([rkv, bkv])
+        kpos = jnp.concatenate([rpos, bpos])
+        kok = jnp.concatenate([rpos >= 0, bpos >= meta.start_R[r]]) & (kpos >= meta.floor_R[r])
+        vis = kok[None] & (kpos[None] <= qpos[:, None]) & (kpos[None] > qpos[:, None] - W)  # [size, K]
+        logits = [jnp.where(vis[:, None], jnp.einsum("uhd,kd->uhk", q, keys, precision=hi) * scale, -jnp.inf)]
+        values = [keys]
+        if topk_TK is not None:
+            idx = topk_TK[rows]  # [size, k]
+            rpb, M = rows_NPx.shape[1], meta.block_table_RM.shape[1]
+            blk = meta.block_table_RM[r][jnp.clip(idx // rpb, 0, M - 1)]
+            g = records.decode_rows("nvfp4", rows_NPx[blk, idx % rpb], d)  # [size, k, d]
+            logits.append(jnp.where((idx >= 0)[:, None], jnp.einsum("uhd,ukd->uhk", q, g, precision=hi) * scale,
+                                    -jnp.inf))
+            values.append(g)
+        probs, denom = _sink_softmax(logits, sink_H)
+        out = jnp.einsum("uhk,kd->uhd", probs[0], values[0], precision=hi)
+        if len(probs) > 1:
+            out = out + jnp.einsum("uhk,ukd->uhd", probs[1], values[1], precision=hi)
+        return jnp.where(qok[:, None, None], out / denom, 0.0)
 
-    n = -(-T // tile)
-    idx = jnp.minimum(jnp.arange(n * tile).reshape(n, tile), T - 1)
-    out = jax.lax.map(one_tile, idx).reshape(n * tile, H, d)[:T]
+    out = scatter_rows(map_tiles(one_tile, tiles), tiles, T, 0.0)  # [T, H, d]
     return _finish(out, cos, sin, out_fp8)
-
-
-def _swa_keys_at(kv, ring, meta, rows_u, d):
-    """_swa_keys for the query rows `rows_u` of the flat layout (chunk rows found relative to them)."""
-    T, W = kv.shape[0], ring.shape[1]
-    o = jnp.arange(W)
-    kp = meta.pos_T[:, None] - o[None]
-    r = meta.req_T
-    chunk = kv.astype(jnp.float32)[jnp.clip(rows_u[:, None] - o[None], 0, T - 1)]
-    ring_rows = records.decode_rows("fp8", ring[meta.slot_R[r][:, None], kp & (W - 1)], d)
-    keys = jnp.where((kp >= meta.start_R[r][:, None])[..., None], chunk, ring_rows)
-    return keys, kp >= jnp.maximum(meta.floor_R[r], 0)[:, None]
 
 
 # ================================================================================== pallas
@@ -183,14 +224,14 @@ def _whole(shape):
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
 
-def _attention_kernel(pos_ref, req_ref, slot_ref, start_ref, floor_ref, bt_ref, q_ref, cos_ref, sin_ref, sink_ref,
-                      kv_ref, ring_ref, *refs, d, W, block_k, n_topk_chunks, splits, has_rows, out_fp8):
+def _attention_kernel(pos_ref, req_ref, kvrow_ref, slot_ref, start_ref, floor_ref, bt_ref, q_ref, cos_ref, sin_ref,
+                      sink_ref, kv_ref, ring_ref, *refs, d, W, block_k, n_topk_chunks, splits, has_rows, out_fp8):
     if has_rows:
         rows_ref, topk_ref, *out_refs = refs
     else:
         out_refs = list(refs)
     t, s = pl.program_id(0), pl.program_id(2)
-    p, r = pos_ref[t], req_ref[t]
+    p, r, own = pos_ref[t], req_ref[t], kvrow_ref[t]
     slot, start, lo = slot_ref[r], start_ref[r], jnp.maximum(floor_ref[r], 0)
     cos, sin = cos_ref[...], sin_ref[...]
     cdt = q_ref.dtype if q_ref.dtype == jnp.bfloat16 else jnp.float32
@@ -212,7 +253,7 @@ def _attention_kernel(pos_ref, req_ref, slot_ref, start_ref, floor_ref, bt_ref, 
     def swa_chunk(c, carry):
         o = c * block_k + jnp.arange(block_k)
         kp = p - o
-        chunk = kv_ref[jnp.maximum(t - o, 0), :].astype(jnp.float32)
+        chunk = kv_ref[jnp.maximum(own - o, 0), :].astype(jnp.float32)
         at = kp & (W - 1)
         if ring_ref.dtype == jnp.uint8:
             nb = d // records.block_size("fp8", d)
@@ -276,7 +317,7 @@ def pallas(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_
     cos, sin = full_width_angles(cos_Tr, sin_Tr, d)
     has_rows = rows_NPx is not None
     n_chunks = 0
-    args = [meta.pos_T, meta.req_T, meta.slot_R, meta.start_R, meta.floor_R, meta.block_table_RM]
+    args = [meta.pos_T, meta.req_T, _kv_rows(meta, T), meta.slot_R, meta.start_R, meta.floor_R, meta.block_table_RM]
     specs = [_whole(a.shape) for a in args]
     args += [q_THd, cos, sin, sink_H, kv_Td, ring_SWx]
     specs += [pl.BlockSpec((None, block_h, d), lambda t, h, s: (t, h, 0)),

@@ -21,6 +21,21 @@ enable_compilation_cache(str(XLA_CACHE))
 def pytest_addoption(parser):
     parser.addoption("--oracle-python", default=None,
                      help="a Python with torch 2.13 + transformers 5.24: run the HF oracle live")
+    parser.addoption("--kernel-seed", type=int, default=None,
+                     help="seed of the kernel tests' random inputs (default 0; failures name the seed they ran)")
+
+
+def pytest_configure(config):
+    from tests.pallas_kernels.util import DEFAULT_SEED, set_seed
+
+    seed = config.getoption("--kernel-seed")
+    set_seed(DEFAULT_SEED if seed is None else seed)
+
+
+def pytest_report_header(config):
+    from tests.pallas_kernels import util
+
+    return f"kernel tests seed: {util._seed}"
 
 
 @pytest.fixture(scope="session")

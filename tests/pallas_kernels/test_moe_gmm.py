@@ -16,7 +16,7 @@ import pytest
 from dsv41 import quant
 from pallas_kernels import lowering, moe_gmm
 from pallas_kernels.expert_weights import QuantizedExperts, quantized_experts, reference_dequantize
-from tests.pallas_kernels.util import assert_close, fresh_rng
+from tests.pallas_kernels.util import assert_close, seeded_rng
 
 T, D, I, E = 11, 64, 96, 8  # T not a multiple of any tile; I = 3 x 32 (like 2304 = 9 x 256)
 LIMIT = 1.0  # small enough that the SwiGLU clamps bite
@@ -47,7 +47,7 @@ def routing(rng, kind: str):
 
 @pytest.mark.parametrize("kind", ["random", "one_expert_all_tokens", "duplicates"])
 def test_xla_and_pallas_match_reference(kind):
-    rng, msg = fresh_rng()
+    rng, msg = seeded_rng()
     ids, w = routing(rng, kind)
     x = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
     w1, w3, w2 = float_weights(rng)
@@ -63,7 +63,7 @@ def test_xla_and_pallas_match_reference(kind):
 
 @pytest.mark.parametrize("tile", [1, 4, 16])
 def test_group_layout_places_every_pair_in_a_tile_of_its_expert(tile):
-    rng, msg = fresh_rng()
+    rng, msg = seeded_rng()
     ids = rng.integers(-1, E + 1, (T, 3)).astype(np.int32)  # -1 and E: dropped
     ids[:4] = 2  # a crowded expert next to empty ones
     lay = jax.tree.map(np.asarray, moe_gmm.group_layout(jnp.asarray(ids), E, tile))
@@ -102,7 +102,7 @@ def _checkpoint_decode(q: QuantizedExperts) -> jnp.ndarray:
 
 @pytest.mark.parametrize("kind,dtype", [("mxfp4", jnp.float32), ("fp8", jnp.float32), ("mxfp4", jnp.bfloat16)])
 def test_quantized_weights_decoded_in_kernel(kind, dtype):
-    rng, msg = fresh_rng()
+    rng, msg = seeded_rng()
     msg = f"{msg} {kind} {jnp.dtype(dtype).name}"
     ids, w = routing(rng, "random")
     x = jnp.asarray(rng.standard_normal((T, D)), dtype)
@@ -128,7 +128,7 @@ def test_reference_and_model_experts_agree_with_every_expert_dense():
     experts (the model's swiglu with its clamp); the model's `Experts` (which now calls the dispatch) too."""
     from dsv41.layers.moe import Experts, swiglu
 
-    rng, msg = fresh_rng()
+    rng, msg = seeded_rng()
     ids, w = routing(rng, "duplicates")
     x = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
     w1, w3, w2 = float_weights(rng)
@@ -146,7 +146,7 @@ def test_reference_and_model_experts_agree_with_every_expert_dense():
 def test_xla_hlo_has_no_large_sort_and_no_ragged_dot():
     """T*k = 10 pairs over E = 16 experts: the only sort is the argsort of the 10 pair keys, and every dot
     is one row tile times one expert (XLA:CPU lowers ragged_dot to a dot over all experts' rows)."""
-    rng, _ = fresh_rng()
+    rng, _ = seeded_rng()
     Tq, k, Eq, tile = 5, 2, 16, 8
     f = lambda *s: jnp.zeros(s, jnp.float32)
     args = (f(Tq, D), jnp.asarray(rng.integers(0, Eq, (Tq, k)), jnp.int32), f(Tq, k), f(Eq, I, D), f(Eq, I, D),

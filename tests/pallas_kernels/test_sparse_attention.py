@@ -1,5 +1,6 @@
-"""Sparse MLA attention: Pallas (interpret) and XLA paths against the spec reference, the reference against
-the model's attention, and the Triton kernel lowered for CUDA at V4.1-Flash sizes."""
+"""Sparse MLA attention: Pallas (interpret) and XLA paths against the spec reference (with and without a
+tile plan, and for queries on a subset of the call's rows), the reference against the model's attention,
+and the Triton kernel lowered for CUDA at V4.1-Flash sizes."""
 
 from __future__ import annotations
 
@@ -11,15 +12,19 @@ import pytest
 from dsv41 import quant
 from pallas_kernels import lowering
 from pallas_kernels import sparse_attention as sa
-from tests.pallas_kernels.util import assert_close, fresh_rng
+from pallas_kernels.tiles import plan_tiles
+from tests.pallas_kernels.util import assert_close, seeded_rng
 
 H, D, DR, W = 16, 64, 16, 16
+
+
+LENS = [5, 4, 3]
 
 
 def make_case(rng, *, quantized: bool, K: int = 40, rpb: int = 8, n_blocks: int = 12):
     """Three requests: one starting at position 0 (window clipped at 0), one with a replay floor above its
     window start, one deep into its context (ring fully used); a query row with no top-k rows at all."""
-    lens, starts, floors = [5, 4, 3], [0, 37, 200], [0, 30, 0]
+    lens, starts, floors = LENS, [0, 37, 200], [0, 30, 0]
     pos = np.concatenate([s + np.arange(n) for s, n in zip(starts, lens)])
     req = np.repeat(np.arange(3), lens)
     T = len(pos)
@@ -42,17 +47,44 @@ def make_case(rng, *, quantized: bool, K: int = 40, rpb: int = 8, n_blocks: int 
     return args
 
 
+def with_plan(args, size):
+    """The case's meta with a tile plan of `size` rows (each request's rows are consecutive)."""
+    first = np.cumsum([0] + LENS[:-1])
+    tiles = plan_tiles(first, np.array(LENS), size, -(-sum(LENS) // size) + len(LENS))
+    return (*args[:6], args[6]._replace(tiles=tiles), *args[7:])
+
+
 @pytest.mark.parametrize("quantized", [True, False])
-def test_xla_equals_reference(quantized):
-    rng, msg = fresh_rng()
+@pytest.mark.parametrize("tile", [None, 2, 4])
+def test_xla_equals_reference(quantized, tile):
+    rng, msg = seeded_rng()
     args = make_case(rng, quantized=quantized)
-    assert_close(sa.xla(*args, tile=4), sa.reference(*args), msg)
-    assert_close(sa.xla(*args[:7]), sa.reference(*args[:7]), msg + " (SWA only)")
+    if tile:
+        args = with_plan(args, tile)
+    assert_close(sa.xla(*args), sa.reference(*args), f"{msg} tile={tile}")
+    assert_close(sa.xla(*args[:7]), sa.reference(*args[:7]), f"{msg} tile={tile} (SWA only)")
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_queries_on_a_subset_of_the_rows(impl):
+    """A layer that runs only some of a call's rows (the cut layer after decoder trimming) still reads
+    the window rows of all of them: queries at kv_row_T give the rows' results of a call over every row."""
+    rng, msg = seeded_rng()
+    args = make_case(rng, quantized=True)
+    q, cos, sin, sink, kv, ring, meta, rows, topk = args
+    want = np.asarray(sa.reference(*args))
+    keep = np.array([3, 4, 7, 8, 11])  # the last rows of each request (the second ends at 8)
+    sub = meta._replace(pos_T=meta.pos_T[keep], req_T=meta.req_T[keep], kv_row_T=jnp.asarray(keep, jnp.int32))
+    if impl == "xla":
+        sub = sub._replace(tiles=plan_tiles(np.array([0, 2, 4]), np.array([2, 2, 1]), 2, 4))
+    sub_args = (q[keep], cos[keep], sin[keep], sink, kv, ring, sub, rows, topk[keep])
+    got = sa.sparse_mla(*sub_args, impl=impl) if impl == "xla" else sa.pallas(*sub_args, block_k=16, interpret=True)
+    assert_close(got, want[keep], f"{msg} {impl}", rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("form", ["prefill", "decode_splits"])
 def test_pallas_interpret_matches_reference(form):
-    rng, msg = fresh_rng()
+    rng, msg = seeded_rng()
     args = make_case(rng, quantized=True)
     want = sa.reference(*args)
     if form == "prefill":
@@ -63,13 +95,13 @@ def test_pallas_interpret_matches_reference(form):
 
 
 def test_pallas_interpret_swa_only_float_ring():
-    rng, msg = fresh_rng()
+    rng, msg = seeded_rng()
     args = make_case(rng, quantized=False)
     assert_close(sa.pallas(*args[:7], block_k=8, interpret=True), sa.reference(*args[:7]), msg, rtol=2e-5, atol=2e-5)
 
 
 def test_pallas_fp8_output_matches_reference_cast():
-    rng, msg = fresh_rng()
+    rng, msg = seeded_rng()
     args = make_case(rng, quantized=True)
     o8, s = sa.pallas(*args, out_fp8=True, block_k=16, interpret=True)
     r8, rs = sa.reference(*args, out_fp8=True)
@@ -91,7 +123,7 @@ def test_reference_agrees_with_model_attention():
     from dsv41.layers.indexer import topk_row_mask
     from dsv41.layers.rope import apply_rope
 
-    rng, msg = fresh_rng()
+    rng, msg = seeded_rng()
     T, rpb, nb = 11, 4, 5
     f32 = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
     q, kv, rows, sink = f32(T, H, D), f32(T, D), f32(nb, rpb, D), f32(H)
