@@ -67,7 +67,7 @@ class Model:
         state = nnx.from_flat_state([(p, nnx.Param(v)) for p, v in self.params.items()])
         self.module = nnx.merge(graphdef, state)
         self._leaves, self._treedef = jax.tree.flatten(nnx.split(self.module)[1])
-        self._jit(graphdef)
+        self.refresh()
         self.engram = EngramLayout.from_config(config) if config.engram_layer_ids else None
         if self.engram is not None:
             if token_map is None:
@@ -81,7 +81,10 @@ class Model:
         else:
             self.token_map = None
 
-    def _jit(self, graphdef) -> None:
+    def refresh(self) -> None:
+        """Recompile the forward from the module's current graph: after changing a static field or a hook of
+        its modules (e.g. a MoE's `routed_compute`), which are part of the graph definition."""
+        graphdef = nnx.split(self.module)[0]
         self._fn = jax.jit(functools.partial(_forward_leaves, graphdef, self._treedef), static_argnames=("fake_quant",))
         self._published = jax.jit(functools.partial(_published_leaves, graphdef, self._treedef),
                                   static_argnames=("fake_quant",))
@@ -90,7 +93,15 @@ class Model:
         """Run `logits`, `masked_logits` and `published_rows` with the fused ops (`pallas_kernels`) of `impl`:
         "auto" (the default: Pallas on a GPU, XLA elsewhere) | "reference" | "xla" | "pallas"."""
         set_kernel_impl(self.module, impl)
-        self._jit(nnx.split(self.module)[0])
+        self.refresh()
+
+    def compiled_text(self, n_tokens: int, *, fake_quant: bool = False) -> str:
+        """The optimised HLO of the exact forward over `n_tokens` ids (e.g. to check which sorts and TopKs
+        XLA emits)."""
+        h = self.engram_hashes(np.zeros(n_tokens, np.int64))
+        spec = lambda a: None if a is None else jax.ShapeDtypeStruct(np.shape(a), jnp.asarray(a).dtype)  # noqa: E731
+        return self._fn.lower(self._leaves, jax.ShapeDtypeStruct((n_tokens,), jnp.int32), spec(h),
+                              fake_quant=fake_quant).compile().as_text()
 
     def save_converted(self, folder: str | Path) -> None:
         """Save the loaded parameters with Orbax; `load(folder)` then restores them without dequantizing."""

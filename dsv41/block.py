@@ -34,8 +34,8 @@ class Block(nnx.Module):
                  engram_rows: int = 0, engram_fp8: bool = False):
         D, n = c.hidden_size, c.hc_mult
         self.role = role
-        # Fused ops of the block: mHC post + collapse + norm, and in the runtime the sparse attention kernel
-        # (static; see `set_kernel_impl`).
+        # Fused ops of the block: mHC post + collapse + norm, and in the serving runtime the sparse attention
+        # and the indexer's top-k (static; see `set_kernel_impl`).
         self.kernel_impl = "auto"
         self.attn_norm = RMSNorm(D, c.rms_norm_eps, dtype=dtype)
         self.ffn_norm = RMSNorm(D, c.rms_norm_eps, dtype=dtype)
@@ -83,8 +83,9 @@ def attention_input(block: Block, c: ModelConfig, s: Streams, engram_hashes: jax
 
 
 def ffn_and_output(block: Block, c: ModelConfig, R: jax.Array, mix: HcMix, y: jax.Array, ids_T: jax.Array
-                   ) -> Streams:
-    """Write the attention output into the streams, run the FFN sublayer, return the next Streams."""
+                   ) -> tuple[Streams, jax.Array]:
+    """Write the attention output into the streams, run the FFN sublayer: the next Streams, and the MoE's
+    expert choices [T, k] (for load counting; unused outputs cost nothing in a compiled graph)."""
     if c.delayed_pre:
         R, x = _post_collapse_norm(block, block.ffn_norm, R, mix, y, mix.pre)
         mix = block.hc_ffn(R)
@@ -93,10 +94,10 @@ def ffn_and_output(block: Block, c: ModelConfig, R: jax.Array, mix: HcMix, y: ja
         mix = block.hc_ffn(R)
         x = block.ffn_norm(hc_collapse(R, mix.pre))
     with jax.named_scope("moe"):
-        y = block.ffn(x, ids_T)
+        y, choices_Tk = block.ffn.routed(x, ids_T)
     if c.delayed_pre:
-        return Streams(R, mix.pre, (mix, y))
-    return Streams(hc_post(R, mix, y), mix.pre, None)
+        return Streams(R, mix.pre, (mix, y)), choices_Tk
+    return Streams(hc_post(R, mix, y), mix.pre, None), choices_Tk
 
 
 def _post_collapse_norm(block: Block, norm: RMSNorm, R_TnD: jax.Array, mix: HcMix, y_TD: jax.Array,
@@ -133,6 +134,6 @@ def run_blocks(blocks, c: ModelConfig, R_TnD: jax.Array, ids_T: jax.Array, atten
             R, mix, x = attention_input(block, c, s, engram_hashes)
             with jax.named_scope("attn"):
                 y = attention(block, x)
-            s = ffn_and_output(block, c, R, mix, y, ids_T)
+            s, _ = ffn_and_output(block, c, R, mix, y, ids_T)
     R, pre = final_streams(s)
     return R, pre, captured

@@ -81,6 +81,11 @@ class ShardedModel:
     def leaves(self) -> list[jax.Array]:
         return self._leaves
 
+    @property
+    def forward_compilations(self) -> int:
+        """Compiled variants of the forward so far (an expert migration must not add one)."""
+        return self._fn._cache_size()
+
     def logits(self, input_ids, *, fake_quant: bool = False) -> np.ndarray:
         """As `dsv41.Model.logits`: [T] ids -> [T, vocab] float32 ([B, T] -> [B, T, vocab])."""
         ids = self.base._check_ids(input_ids)

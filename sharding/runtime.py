@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, get_abstract_mesh
 
 from sharding import rules
@@ -70,9 +71,10 @@ class MeshPlacement:
             shardings = jax.tree.map(lambda s: self.rows_sharding(len(s.shape)), shapes)
         return jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), out_shardings=shardings)()
 
-    def put_batch(self, batch: dict) -> dict:
-        """A rank-stacked host batch ({name: [ranks, ...]}) onto the devices, each rank's row on its devices."""
-        return rules.place(batch, {k: self.rows_sharding(max(1, a.ndim)) for k, a in batch.items()})
+    def put_batch(self, batch):
+        """A rank-stacked host batch (a pytree of [ranks, ...] arrays) onto the devices, each rank's row on its
+        devices."""
+        return rules.place(batch, jax.tree.map(lambda a: self.rows_sharding(max(1, np.ndim(a))), batch))
 
     def put_replicated(self, tree):
         return rules.place(tree, jax.tree.map(lambda _: self.replicated, tree))

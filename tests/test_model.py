@@ -124,9 +124,7 @@ def test_compiled_forward_keeps_topk_custom_calls(tiny, ids):
     expert for the grouped matmul - never a sort over scores or the vocabulary."""
     import re
 
-    h = tiny.engram_hashes(ids)
-    hlo = tiny._fn.lower(tiny._leaves, jnp.asarray(ids, jnp.int32), jnp.asarray(h), fake_quant=False
-                         ).compile().as_text()
+    hlo = tiny.compiled_text(len(ids))
     pairs = len(ids) * tiny.config.num_experts_per_tok
     for shape, dim in re.findall(r"\[([\d,]+)\][^ ]* sort\(.*?dimensions=\{(\d+)\}", hlo):
         assert int(shape.split(",")[int(dim)]) == pairs, (shape, dim)

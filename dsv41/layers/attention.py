@@ -50,12 +50,18 @@ class Attention(nnx.Module):
                                 v4_compressor=role.attn_kind == "csa", eps=c.rms_norm_eps, dtype=dtype)
                         if role.is_index_source else None)
 
-    def project_q(self, x_TD: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """qr [T, q_lora] (also the indexer's query input) and RoPE'd q [T, H, d]."""
+    def queries(self, x_TD: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """qr [T, q_lora] (also the indexer's query input) and q [T, H, d] before RoPE (the serving runtime's
+        fused attention rotates it itself)."""
         qr = self.q_norm(self.wq_a(x_TD))
         q = self.wq_b(qr).reshape(x_TD.shape[0], self.n_heads, self.head_dim)
         if self.q_head_norm:  # V4: unweighted per-head RMSNorm
             q = rms_norm(q, None, self.eps)
+        return qr, q
+
+    def project_q(self, x_TD: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """qr [T, q_lora] and RoPE'd q [T, H, d]."""
+        qr, q = self.queries(x_TD)
         return qr, apply_rope(q, cos[:, None], sin[:, None])
 
     def project_kv(self, x_TD: jax.Array, cos: jax.Array, sin: jax.Array, fake_quant: bool) -> jax.Array:
@@ -64,9 +70,13 @@ class Attention(nnx.Module):
         return fake_quant_fp8(kv) if fake_quant else kv
 
     def output(self, o_THd: jax.Array, cos: jax.Array, sin: jax.Array, out_dtype: jnp.dtype) -> jax.Array:
-        """Inverse RoPE at the query position, then wo_a per group of heads and wo_b: [T, D]."""
+        """Inverse RoPE at the query position, then the output projection: [T, D]."""
+        return self.project_out(apply_rope(o_THd, cos[:, None], sin[:, None], inverse=True), out_dtype)
+
+    def project_out(self, o_THd: jax.Array, out_dtype: jnp.dtype) -> jax.Array:
+        """wo_a per group of heads, then wo_b, of the attention output after its inverse RoPE: [T, D]."""
         T = o_THd.shape[0]
-        o = apply_rope(o_THd, cos[:, None], sin[:, None], inverse=True).astype(out_dtype)
+        o = o_THd.astype(out_dtype)
         w = self.wo_a.weight[...]
         og = o.reshape(T, self.o_groups, -1)
         z = jnp.einsum("tgi,goi->tgo", og.astype(w.dtype), w.reshape(self.o_groups, -1, og.shape[-1]),

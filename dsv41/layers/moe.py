@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv41.layers import expert_load
 from dsv41.layers.basic import Linear, matmul_precision
 from pallas_kernels import resolve_impl
 from pallas_kernels.moe_gmm import routed_experts
@@ -111,10 +110,14 @@ class MoE(nnx.Module):
         self.routed_compute = None
 
     def __call__(self, x_TD: jax.Array, ids_T: jax.Array) -> jax.Array:
+        return self.routed(x_TD, ids_T)[0]
+
+    def routed(self, x_TD: jax.Array, ids_T: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(output [T, D], the router's logical expert choices [T, k] - before any EPLB replica mapping, what
+        the expert load balancer counts)."""
         sel, weights = self.gate(x_TD, ids_T)
-        expert_load.record(sel, self.n_experts)  # logical choices, before any EPLB replica mapping
         if self.routed_compute is not None:
             routed = self.routed_compute(self.experts, x_TD, sel, weights)
         else:
             routed = self.experts(x_TD, sel, weights)
-        return (routed + self.shared_experts(x_TD)).astype(x_TD.dtype)
+        return (routed + self.shared_experts(x_TD)).astype(x_TD.dtype), sel

@@ -14,7 +14,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from pallas_kernels.tiles import max_tiles, plan_tiles
 from serving.runtime.decoder_replay import kept_rows
+from serving.runtime.step import KeptRows, Requests, Rows, StepBatch
 
 
 @dataclass
@@ -53,7 +55,7 @@ class Buckets:
         raise ValueError(f"{n} tokens exceed the largest token bucket {self.tokens[-1]}")
 
     def tiles(self, tokens: int) -> int:
-        return -(-tokens // self.tile) + min(tokens, self.max_num_seqs)
+        return max_tiles(tokens, self.max_num_seqs, self.tile)
 
 
 def token_ladder(max_tokens: int, window: int, smallest: int = 1) -> tuple[int, ...]:
@@ -73,39 +75,22 @@ def token_ladder(max_tokens: int, window: int, smallest: int = 1) -> tuple[int, 
     return tuple(sorted(set(out)))
 
 
-def _tiles(first: np.ndarray, qlen: np.ndarray, tile: int, n_tiles: int) -> dict[str, np.ndarray]:
-    req, t0, n = [], [], []
-    for r, (f, q) in enumerate(zip(first, qlen)):
-        for o in range(0, int(q), tile):
-            req.append(r)
-            t0.append(f + o)
-            n.append(min(tile, int(q) - o))
-    if len(req) > n_tiles:
-        raise AssertionError(f"{len(req)} tiles exceed the bucket's {n_tiles}")
-    pad = n_tiles - len(req)
-    return {"tile_req": np.array(req + [0] * pad, np.int32), "tile_first": np.array(t0 + [0] * pad, np.int32),
-            "tile_n": np.array(n + [0] * pad, np.int32)}
-
-
 def build_step(chunks: Sequence[SeqChunk], buckets: Buckets, *, max_blocks: int, window: int, block_size: int,
                engram_hashes: Callable[[SeqChunk], np.ndarray] | None = None, engram_row_shape: tuple[int, ...] = (),
-               token_bucket: int | None = None, kept_bucket: int | None = None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """(segment-1 batch over every token, segment-2 batch over the kept rows); buckets may be forced
-    (ahead-of-time compilation builds example batches of each shape). `engram_hashes(chunk)`: the chunk's
-    Engram hash ids [q, *engram_row_shape]."""
+               token_bucket: int | None = None, kept_bucket: int | None = None) -> StepBatch:
+    """One rank's step as NumPy arrays; buckets may be forced (ahead-of-time compilation builds example
+    batches of each shape). `engram_hashes(chunk)`: the chunk's Engram hash ids [q, *engram_row_shape]."""
     R = buckets.max_num_seqs
     if len(chunks) > R:
         raise ValueError(f"{len(chunks)} requests exceed max_num_seqs {R}")
-    total = sum(ch.num_tokens for ch in chunks)
-    T = token_bucket or buckets.token_bucket(total)
-    req = {k: np.zeros(R, np.int32) for k in ("slot", "start", "end", "first", "qlen", "kv_floor", "write_floor",
-                                            "dec_floor", "kept_first", "kept_qlen", "logit_row")}
-    req["block_table"] = np.zeros((R, max_blocks), np.int32)
-    req["valid"] = np.zeros(R, bool)
-    req["sample"] = np.zeros(R, bool)
-    tok = {"ids": np.zeros(T, np.int32), "pos": np.zeros(T, np.int32), "req": np.zeros(T, np.int32),
-           "valid": np.zeros(T, bool)}
+    T = token_bucket or buckets.token_bucket(sum(ch.num_tokens for ch in chunks))
+    i32 = lambda n: np.zeros(n, np.int32)  # noqa: E731
+    slot, start, end, kv_floor, write_floor, dec_floor = (i32(R) for _ in range(6))
+    first, qlen, kept_first, kept_qlen, logit_row = (i32(R) for _ in range(5))
+    block_table = np.zeros((R, max_blocks), np.int32)
+    ids, pos, req, valid = i32(T), i32(T), i32(T), np.zeros(T, bool)
     kept_idx: list[int] = []
+    next_ids: list[int] = []
     hashes = []
     f = 0
     for r, ch in enumerate(chunks):
@@ -118,46 +103,39 @@ def build_step(chunks: Sequence[SeqChunk], buckets: Buckets, *, max_blocks: int,
             raise ValueError(f"request in slot {ch.slot}: {len(ch.block_table)} blocks do not cover {ch.end} positions")
         q = ch.num_tokens
         sl = slice(f, f + q)
-        tok["ids"][sl] = ch.token_ids[ch.start:ch.end]
-        tok["pos"][sl] = np.arange(ch.start, ch.end)
-        tok["req"][sl] = r
-        tok["valid"][sl] = True
-        keep, dec_floor = kept_rows(q, ch.end, ch.kv_floor, window, ch.trim)
+        ids[sl] = ch.token_ids[ch.start:ch.end]
+        pos[sl] = np.arange(ch.start, ch.end)
+        req[sl], valid[sl] = r, True
+        keep, dec_floor[r] = kept_rows(q, ch.end, ch.kv_floor, window, ch.trim)
+        kept_first[r], kept_qlen[r] = len(kept_idx), keep
         kept_idx.extend(range(f + q - keep, f + q))
-        req["slot"][r], req["start"][r], req["end"][r] = ch.slot, ch.start, ch.end
-        req["first"][r], req["qlen"][r] = f, q
-        req["kv_floor"][r], req["write_floor"][r] = ch.kv_floor, ch.write_floor
-        req["dec_floor"][r] = dec_floor
-        req["kept_first"][r], req["kept_qlen"][r] = len(kept_idx) - keep, keep
-        req["logit_row"][r] = len(kept_idx) - 1
-        req["block_table"][r, : len(ch.block_table)] = ch.block_table
-        req["valid"][r], req["sample"][r] = True, ch.sample
+        logit_row[r] = len(kept_idx) - 1
+        # prompt logprobs: the known token after each row (-1 past the known ones and for chunks not asking)
+        nxt = ch.token_ids[ch.end - keep + 1:ch.end + 1] if ch.prompt_logprobs else []
+        next_ids.extend(list(nxt) + [-1] * (keep - len(nxt)))
+        slot[r], start[r], end[r] = ch.slot, ch.start, ch.end
+        first[r], qlen[r] = f, q
+        kv_floor[r], write_floor[r] = ch.kv_floor, ch.write_floor
+        block_table[r, : len(ch.block_table)] = ch.block_table
         if engram_hashes is not None:
             hashes.append(engram_hashes(ch))
         f += q
-    n_rows = np.array([[ch.end // r for ch in chunks] or [0] for r in (1, 2)])
-    rpb = np.array([block_size, block_size // 2])
-    step1 = {**tok, **{f"req_{k}": v for k, v in req.items()},
-             **_tiles(req["first"][: len(chunks)], req["qlen"][: len(chunks)], buckets.tile, buckets.tiles(T)),
-             # dynamic trip counts of the dense indexer loop, per compress ratio (index 0: ratio 1, 1: ratio 2)
-             "n_iter": (-(-n_rows.max(axis=1) // rpb)).astype(np.int32)}
+    engram = None
     if engram_hashes is not None:
-        step1["engram"] = np.zeros((T, *engram_row_shape), np.int32)
+        engram = np.zeros((T, *engram_row_shape), np.int32)
         if hashes:
             h = np.concatenate(hashes)
-            step1["engram"][: len(h)] = h
-    T2 = kept_bucket or buckets.token_bucket(len(kept_idx))
-    kept = np.zeros(T2, np.int32)
-    kept[: len(kept_idx)] = kept_idx
-    rows_next = np.zeros(T2, np.int32)  # row logprobs: the token after each kept row (0 past the known ones)
-    for r, ch in enumerate(chunks):
-        if ch.prompt_logprobs:
-            nxt = ch.token_ids[ch.start + 1:ch.end + 1]
-            rows_next[req["kept_first"][r]:req["kept_first"][r] + len(nxt)] = nxt
-    step2 = {"kept": kept, "valid": np.arange(T2) < len(kept_idx), "rows_next": rows_next,
-             "rows_wanted": np.array(any(ch.prompt_logprobs for ch in chunks)),
-             **{f"req_{k}": v for k, v in req.items()},
-             **_tiles(req["kept_first"][: len(chunks)], req["kept_qlen"][: len(chunks)], buckets.tile,
-                      buckets.tiles(T2)),
-             "n_iter": step1["n_iter"]}
-    return step1, step2
+            engram[: len(h)] = h
+    n = len(chunks)
+    rows = Rows(ids, pos, req, valid, first, qlen, plan_tiles(first[:n], qlen[:n], buckets.tile, buckets.tiles(T)),
+                engram)
+    K = kept_bucket or buckets.token_bucket(len(kept_idx))
+    pad = K - len(kept_idx)
+    kept = KeptRows(np.array(kept_idx + [0] * pad, np.int32), np.arange(K) < len(kept_idx), kept_first, kept_qlen,
+                    logit_row, plan_tiles(kept_first[:n], kept_qlen[:n], buckets.tile, buckets.tiles(K)),
+                    np.array(next_ids + [-1] * pad, np.int32))
+    # trip counts of the dense indexer loop: the blocks of the step's longest context, per compress ratio
+    longest = max((ch.end for ch in chunks), default=0)
+    index_blocks = np.array([-(-(longest // ratio) // (block_size // ratio)) for ratio in (1, 2)], np.int32)
+    return StepBatch(Requests(slot, start, end, kv_floor, write_floor, dec_floor, block_table), index_blocks,
+                     rows, kept)

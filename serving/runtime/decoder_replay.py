@@ -11,7 +11,8 @@ cut layer wrote every row's SWA KV, so its window is only clipped by replay_star
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
+
+from serving.runtime.step import KeptRows, SegmentCarry
 
 
 def kept_rows(num_tokens: int, end: int, kv_floor: int, window: int, trim: bool) -> tuple[int, int]:
@@ -21,20 +22,8 @@ def kept_rows(num_tokens: int, end: int, kv_floor: int, window: int, trim: bool)
     return min(num_tokens, window), max(kv_floor, end - window)
 
 
-def gather_kept(carry: dict, b2: dict, *, window: int, tile: int) -> dict:
-    """Segment 2's inputs: the kept rows of segment 1's carry (rows indexed by `b2["kept"]` in the step's
-    flat layout), and each kept tile's band of cut-layer SWA rows from the full step (a kept row's window
-    reaches W - 1 rows back, into trimmed rows)."""
-    k = b2["kept"]
-    kept = jax.tree.map(lambda a: a[k], {n: v for n, v in carry.items() if v is not None})
-    T = carry["kv"].shape[0]
-    f0 = k[b2["tile_first"]]
-    idx = f0[:, None] - (window - 1) + jnp.arange(window - 1 + tile)
-    r = b2["tile_req"]
-    lo, hi = b2["req_first"][r], b2["req_first"][r] + b2["req_qlen"][r]
-    ok = (idx >= lo[:, None]) & (idx < hi[:, None])
-    idx = jnp.clip(idx, 0, T - 1)
-    kept["band"] = (carry["kv"][idx], carry["pos"][idx], ok)
-    return kept
-
-
+def gather_kept(carry: SegmentCarry, kept: KeptRows) -> SegmentCarry:
+    """Segment 2's inputs: the kept rows of segment 1's carry. (The cut layer's attention also reads the
+    window rows before each kept row, trimmed ones included: it takes them from the whole carry's `kv_Td`
+    through `kept.row_K`.)"""
+    return jax.tree.map(lambda a: a[kept.row_K], carry)

@@ -30,6 +30,7 @@ from dsv41.layers.moe import set_kernel_impl
 from serving.runtime import kv_cache, segments
 from serving.runtime.config import RuntimeConfig
 from serving.runtime.batch import Buckets, SeqChunk, build_step, token_ladder
+from serving.runtime.step import KeptRows, StepBatch
 from serving.runtime.decoder_replay import kept_rows
 from serving.runtime.kv_cache import CacheLayout
 from serving.runtime.sampler import sample, sampling_arrays
@@ -62,9 +63,9 @@ class StepOutput(NamedTuple):
 class _Segments(NamedTuple):
     """Both segments of one step, on the devices (nothing read back yet)."""
 
-    batch2: dict  # segment 2's host batch
+    kept: KeptRows  # segment 2's host rows (rank-stacked)
     logits: jax.Array  # [ranks x max_num_seqs, V]
-    row_logprobs: tuple  # segment 2's per-row logprobs (read where a chunk asks)
+    prompt_logprobs: tuple  # segment 2's per-row logprobs (read where a chunk asks)
     expert_counts: tuple  # the two segments' [L, E] counts (None when off)
     rows: list[int]  # each chunk's logits row
     where: list[tuple[int, int]]  # each chunk's (rank, index in the rank)
@@ -114,7 +115,7 @@ class Runner:
         self._graph = (graphdef, treedef)
         merge = functools.partial(_merge, graphdef, treedef)
         self.expert_counts = expert_counts
-        kw = dict(tile=rc.tile, fake_quant=rc.fake_quant, expert_counts=expert_counts)
+        kw = dict(fake_quant=rc.fake_quant, expert_counts=expert_counts)
 
         def seg1(leaves, cache, carry_buf, b):  # one rank's cache, carry and batch
             with jax.named_scope("segment1"):
@@ -127,7 +128,7 @@ class Runner:
         # Segment 1 leaves its rows in a persistent buffer of the largest bucket, which segment 2 reads: the
         # kept-row gather then lives in segment 2 and no function is compiled per (tokens, kept rows) pair.
         top = self.buckets.tokens[-1]
-        b1, _ = self._build_rank([], token_bucket=top, kept_bucket=top)
+        b1 = self._build_rank([], token_bucket=top, kept_bucket=top).segment1()
         spec = jax.eval_shape(lambda lv, ca, b: seg1(lv, ca, None, b)[1], self._leaves, self.layout.shapes(), b1)
         sample_fn = functools.partial(sample, max_top_k=rc.max_top_k)
         if placement:
@@ -150,11 +151,11 @@ class Runner:
         self.compile_seconds = 0.0
 
     # ----------------------------------------------------------------- compilation
-    def _example(self, T: int, T2: int) -> tuple[dict, dict]:
+    def _example(self, T: int, T2: int) -> StepBatch:
         ch = SeqChunk(slot=0, block_table=[0], token_ids=[0], start=0, end=1)
-        return self._build([ch], token_bucket=T, kept_bucket=T2)[:2]
+        return self._build([ch], token_bucket=T, kept_bucket=T2)[0]
 
-    def _build_rank(self, chunks: Sequence[SeqChunk], **forced) -> tuple[dict, dict]:
+    def _build_rank(self, chunks: Sequence[SeqChunk], **forced) -> StepBatch:
         eg = self.model.engram
         engram = {} if eg is None else {"engram_hashes": self._engram_hashes,
                                         "engram_row_shape": (len(eg.layer_ids), (eg.max_ngram - 1) * eg.n_heads)}
@@ -162,9 +163,9 @@ class Runner:
                           block_size=self.layout.block_size, **engram, **forced)
 
     def _build(self, chunks: Sequence[SeqChunk], token_bucket: int | None = None, kept_bucket: int | None = None
-               ) -> tuple[dict, dict, np.ndarray, list[tuple[int, int]]]:
-        """(segment-1 batch, segment-2 batch) stacked over the ranks, every rank padded to the same buckets;
-        each chunk's logits row in the step's [ranks x max_num_seqs] rows and its (rank, index in the rank)."""
+               ) -> tuple[StepBatch, np.ndarray, list[tuple[int, int]]]:
+        """The step's batch stacked over the ranks (every rank padded to the same buckets), each chunk's
+        logits row in the step's [ranks x max_num_seqs] rows and its (rank, index in the rank)."""
         by_rank: list[list[SeqChunk]] = [[] for _ in range(self.ranks)]
         where = []
         for ch in chunks:
@@ -178,9 +179,9 @@ class Runner:
         T2 = kept_bucket or self.buckets.token_bucket(
             max(sum(kept_rows(ch.num_tokens, ch.end, ch.kv_floor, W, ch.trim)[0] for ch in r) for r in by_rank))
         built = [self._build_rank(r, token_bucket=T, kept_bucket=T2) for r in by_rank]
-        b1, b2 = ({k: np.stack([np.asarray(b[i][k]) for b in built]) for k in built[0][i]} for i in (0, 1))
+        batch = jax.tree.map(lambda *a: np.stack(a), *built)
         rows = np.array([r * self.rc.max_num_seqs + j for r, j in where], np.int32)
-        return b1, b2, rows, where
+        return batch, rows, where
 
     def _engram_hashes(self, ch: SeqChunk) -> np.ndarray:
         """Hash ids of the chunk's rows; the look-back reaches (max_ngram - 1) tokens before the chunk, so
@@ -212,10 +213,10 @@ class Runner:
     def _compile_key(self, key: tuple) -> None:
         name = key[0]
         if name == "seg1":
-            b1, _ = self._example(key[1], key[1])
+            b1 = self._example(key[1], key[1]).segment1()
             self._compile(key, "seg1", self._leaves, self.cache, self.carry_buf, self._put(b1))
         elif name == "seg2":
-            _, b2 = self._example(key[1], key[1])
+            b2 = self._example(key[1], key[1]).segment2()
             self._compile(key, "seg2", self._leaves, self.cache, self.carry_buf, self._put(b2))
         elif name == "sample":
             R, V = self.ranks * self.rc.max_num_seqs, self.config.vocab_size
@@ -245,9 +246,9 @@ class Runner:
         name = key[0]
         if name not in ("seg1", "seg2"):
             raise ValueError(f"only segment buckets can be traced, got {key}")
-        b1, b2 = self._example(key[1], key[1])
+        b = self._example(key[1], key[1])
         return jax.make_jaxpr(self._fns[name])(self._leaves, self.cache, self.carry_buf,
-                                               self._put(b1 if name == "seg1" else b2))
+                                               self._put(b.segment1() if name == "seg1" else b.segment2()))
 
     @property
     def param_leaves(self) -> list[jax.Array]:
@@ -291,20 +292,20 @@ class Runner:
 
     def _segments(self, chunks: Sequence[SeqChunk]) -> _Segments:
         with jax.profiler.TraceAnnotation("runner.build"):
-            b1, b2, rows, where = self._build(chunks)
-        T, T2 = b1["ids"].shape[1], b2["kept"].shape[1]
+            batch, rows, where = self._build(chunks)
+        T, K = batch.rows.ids_T.shape[1], batch.kept.row_K.shape[1]
         with jax.profiler.TraceAnnotation("runner.segment1"):
             self.cache, self.carry_buf, counts1 = self._exe_for(("seg1", T))(self._leaves, self.cache,
-                                                                             self.carry_buf, self._put(b1))
+                                                                             self.carry_buf, self._put(batch.segment1()))
         with jax.profiler.TraceAnnotation("runner.segment2"):
-            self.cache, logits, row_lp, counts2 = self._exe_for(("seg2", T2))(self._leaves, self.cache,
-                                                                              self.carry_buf, self._put(b2))
-        return _Segments(b2, logits, row_lp, (counts1, counts2), rows, where)
+            self.cache, logits, prompt_lp, counts2 = self._exe_for(("seg2", K))(
+                self._leaves, self.cache, self.carry_buf, self._put(batch.segment2()))
+        return _Segments(batch.kept, logits, prompt_lp, (counts1, counts2), rows, where)
 
     def step(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams | None],
              banned: Sequence[Sequence[int]] | None = None) -> StepOutput:
         """Run one step and sample each request's next token; row logprobs for chunks that ask for them."""
-        b2, logits, row_lp, counts, rows, where = self._segments(chunks)
+        kept, logits, prompt_lp, counts, rows, where = self._segments(chunks)
         n_rows = self.ranks * self.rc.max_num_seqs  # chunk i samples from logits row rows[i]
         row_params, row_pos, row_banned = [None] * n_rows, [0] * n_rows, [[] for _ in range(n_rows)]
         for i, r in enumerate(rows):
@@ -318,13 +319,13 @@ class Runner:
         tok, logprob, top_ids, top_lp = (a[rows] for a in sampled)
         expert_counts = np.concatenate(counts) if counts is not None else None
         out = {}
-        if b2["rows_wanted"].any():
-            T2 = b2["kept"].shape[1]
-            lp, ids, tlp = (np.asarray(a) for a in row_lp)
+        if any(ch.prompt_logprobs for ch in chunks):
+            K = kept.row_K.shape[1]
+            lp, ids, tlp = (np.asarray(a) for a in prompt_lp)
             for i, (ch, (r, j)) in enumerate(zip(chunks, where)):
                 if ch.prompt_logprobs:
-                    first = r * T2 + b2["req_kept_first"][r, j]
-                    sl = slice(first, first + b2["req_kept_qlen"][r, j])
+                    first = r * K + kept.first_R[r, j]
+                    sl = slice(first, first + kept.qlen_R[r, j])
                     out[i] = PromptLogprobs(lp[sl], ids[sl], tlp[sl])
         return StepOutput(tok, logprob, top_ids, top_lp, out, expert_counts)
 

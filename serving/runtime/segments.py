@@ -16,123 +16,121 @@ compute), for the expert load balancer; otherwise None.
 
 from __future__ import annotations
 
-import contextlib
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from dsv41.block import Streams, attention_input, ffn_and_output, final_streams
-from dsv41.layers.expert_load import count_experts
-from dsv41.layers.mhc import HcMix, hc_collapse
+from dsv41.layers import expert_load
+from dsv41.layers.mhc import hc_collapse
 from dsv41.layers.rope import inv_freq, rope_angles
+from pallas_kernels.sparse_attention import AttnMeta
+from pallas_kernels.tiles import QueryTiles
 from serving.runtime import global_kv
-from pallas_kernels import resolve_impl
-from serving.runtime.attention import Tiles, attention, flat_band, fused_attention, gathered_band, write_ring
+from serving.runtime.attention import sparse_attention, write_ring
 from serving.runtime.decoder_replay import gather_kept
-from serving.runtime.global_kv import TokenMeta
 from serving.runtime.kv_cache import CacheLayout
 from serving.runtime.sampling_params import MAX_LOGPROBS
-
-REQ_KEYS = ("slot", "start", "end", "first", "qlen", "kv_floor", "write_floor", "dec_floor", "kept_first",
-            "kept_qlen", "logit_row", "block_table", "valid", "sample")
+from serving.runtime.step import SegmentCarry, StepBatch
 
 
-def _req(b: dict) -> dict:
-    return {k: b[f"req_{k}"] for k in REQ_KEYS}
+class _RowView(NamedTuple):
+    """The rows one run of layers computes (segment 1's, or segment 2's kept ones) and their SWA floor."""
+
+    pos_T: jax.Array
+    req_T: jax.Array
+    valid_T: jax.Array
+    tiles: QueryTiles
+    floor_R: jax.Array  # lowest visible SWA position per request
 
 
-def _tiles(b: dict, req: dict, first: str, qlen: str, floor: str, size: int) -> Tiles:
-    return Tiles(b["tile_req"], b["tile_first"], b["tile_n"], req[first], req[qlen], req["start"], req["slot"],
-                 req[floor], req["block_table"], size)
+class _CutKV(NamedTuple):
+    """The cut layer's SWA rows as segment 2 resumes it: the kept rows' own, and every row of the step
+    (a kept row's window reaches into trimmed rows) with each kept row's index among them."""
+
+    kept_Td: jax.Array
+    step_Nd: jax.Array
+    row_T: jax.Array
 
 
-class _Layer:
-    """Runs one block's attention sublayer against the cache and threads what layers publish."""
+class _Layers:
+    """Runs blocks' attention sublayers against the cache over one row view, threading the top-k row ids
+    and candidate blocks that index sources publish to later layers."""
 
-    def __init__(self, layout: CacheLayout, fake_quant: bool, n_iter: jax.Array):
-        self.layout, self.fake_quant, self.n_iter = layout, fake_quant, n_iter
-        self.topk: dict[int, jax.Array] = {}
+    def __init__(self, layout: CacheLayout, batch: StepBatch, fake_quant: bool, topk: dict | None = None):
+        self.layout, self.requests, self.fake_quant = layout, batch.requests, fake_quant
+        self.index_blocks_2 = batch.index_blocks_2
+        self.topk: dict[int, jax.Array] = dict(topk or {})
         self.candidates: jax.Array | None = None
 
-    def attend(self, block, x: jax.Array, ids_meta: TokenMeta, req: dict, tiles: Tiles, cache: dict, band=None,
-               kv: jax.Array | None = None) -> tuple[jax.Array, dict]:
-        layout, c, role, attn = self.layout, self.layout.config, block.role, block.attn
-        cos, sin = rope_angles(ids_meta.pos, inv_freq(c, role.rope))
-        qr, q = attn.project_q(x, cos, sin)
-        if kv is None:
-            kv = attn.project_kv(x, cos, sin, self.fake_quant)
+    def attend(self, block, x_TD: jax.Array, at: _RowView, cache: dict, cut_kv: _CutKV | None = None
+               ) -> tuple[jax.Array, dict]:
+        layout, c, role, attn, req = self.layout, self.layout.config, block.role, block.attn, self.requests
+        cos, sin = rope_angles(at.pos_T, inv_freq(c, role.rope))
+        qr, q = attn.queries(x_TD)
+        if cut_kv is None:
+            kv = attn.project_kv(x_TD, cos, sin, self.fake_quant)
+            kv_all, kv_row = kv, None
             if role.is_kv_source:
-                cache = global_kv.publish_source(layout, block, x, ids_meta, req, cache, self.fake_quant)
-        rows_cache = topk = None
-        rpb = 0
-        if role.attn_kind == "compressed":
-            r = role.compress_ratio
-            if role.is_index_source:
-                qi, wi = attn.indexer.queries(x, qr, cos, sin, self.fake_quant)
-                keys_cache = cache["keys"][role.kv_source]
-                if role.uses_candidates:
-                    self.topk[role.layer_id] = global_kv.candidate_topk(
-                        layout, qi, wi, ids_meta.pos, tiles, keys_cache, self.candidates, ratio=r)
-                else:
-                    self.topk[role.layer_id], cand = global_kv.dense_topk(
-                        layout, attn.indexer, qi, wi, ids_meta.pos, tiles, keys_cache, self.n_iter[r - 1], ratio=r,
-                        candidates=role.is_candidate_source)
-                    if role.is_candidate_source:
-                        self.candidates = cand
-            topk, rows_cache = self.topk[role.index_source], cache["rows"][role.kv_source]
-            rpb = layout.rows_per_block(role.kv_source)
-        if band is None and resolve_impl(block.kernel_impl) == "pallas":
-            o = fused_attention(layout, tiles, q, ids_meta.pos, ids_meta.req, kv, cache["swa"][role.layer_id],
-                                attn.attn_sink[...], rows_cache=rows_cache, topk_Tk=topk)
+                cache = global_kv.publish_source(layout, block, x_TD, at.pos_T, at.req_T, at.valid_T, req, cache,
+                                                 self.fake_quant)
         else:
-            band = band or flat_band(kv, ids_meta.pos, tiles, layout.window)
-            o = attention(layout, tiles, q, ids_meta.pos, band, cache["swa"][role.layer_id], attn.attn_sink[...],
-                          rows_cache=rows_cache, topk_Tk=topk, rows_per_block=rpb)
-        last_rows = ids_meta.valid & (ids_meta.pos >= req["end"][ids_meta.req] - layout.window)
+            kv, kv_all, kv_row = cut_kv
+        rows_cache = topk = None
+        if role.attn_kind == "compressed":
+            if role.is_index_source:
+                qi, wi = attn.indexer.queries(x_TD, qr, cos, sin, self.fake_quant)
+                ids, cand = global_kv.select_rows(layout, block, qi, wi, at.pos_T, at.req_T, at.tiles, req,
+                                                  self.index_blocks_2, cache["keys"][role.kv_source], self.candidates)
+                self.topk[role.layer_id] = ids
+                if role.is_candidate_source:
+                    self.candidates = cand
+            topk, rows_cache = self.topk[role.index_source], cache["rows"][role.kv_source]
+        meta = AttnMeta(at.pos_T, at.req_T, req.slot_R, req.start_R, at.floor_R, req.block_table_RM, kv_row, at.tiles)
+        o = sparse_attention(q, cos, sin, attn.attn_sink[...], kv_all, cache["swa"][role.layer_id], meta,
+                             rows_cache=rows_cache, topk_Tk=topk, impl=block.kernel_impl)
+        last_rows = at.valid_T & (at.pos_T >= req.end_R[at.req_T] - layout.window)
         cache = {**cache, "swa": {**cache["swa"], role.layer_id: write_ring(
-            layout, cache["swa"][role.layer_id], kv, ids_meta.pos, req["slot"][ids_meta.req], last_rows)}}
-        return attn.output(o, cos, sin, x.dtype), cache
+            layout, cache["swa"][role.layer_id], kv, at.pos_T, req.slot_R[at.req_T], last_rows)}}
+        return attn.project_out(o, x_TD.dtype), cache
 
 
-def _counting(on: bool, valid_T: jax.Array):
-    return count_experts(valid_T) if on else contextlib.nullcontext()
-
-
-def _stacked(counts: list | None, module) -> jax.Array | None:
-    """[layers, E] int32 of the collected counts (None when not collecting)."""
-    if counts is None:
+def _counts(on: bool, choices: list[jax.Array], valid_T: jax.Array, module) -> jax.Array | None:
+    """[layers, E] int32 expert counts of the MoE layers run (None when not collecting)."""
+    if not on:
         return None
-    return jnp.stack(counts) if counts else jnp.zeros((0, module.layers[0].ffn.n_experts), jnp.int32)
+    E = module.layers[0].ffn.n_experts
+    return jnp.stack([expert_load.expert_counts(sel, valid_T, E) for sel in choices]) if choices else jnp.zeros((0, E), jnp.int32)
 
 
-def segment1(module, layout: CacheLayout, cache: dict, carry_buf: dict, b: dict, *, tile: int, fake_quant: bool,
-             expert_counts: bool = False) -> tuple[dict, dict, jax.Array | None]:
-    """(cache, carry rows in `carry_buf`, expert counts of layers 0 .. cut-1 [cut, E] or None)."""
+def segment1(module, layout: CacheLayout, cache: dict, carry_buf: SegmentCarry | None, batch: StepBatch, *,
+             fake_quant: bool, expert_counts: bool = False) -> tuple[dict, SegmentCarry, jax.Array | None]:
+    """(cache, the carry rows in `carry_buf`, expert counts of layers 0 .. cut-1 [cut, E] or None)."""
     c, cut = layout.config, layout.config.cut_layer
-    req = _req(b)
-    meta = TokenMeta(b["pos"], b["req"], b["valid"])
-    tiles = _tiles(b, req, "first", "qlen", "kv_floor", tile)
-    layer = _Layer(layout, fake_quant, b["n_iter"])
-    e = module.embed(b["ids"])
+    rows, req = batch.rows, batch.requests
+    at = _RowView(rows.pos_T, rows.req_T, rows.valid_T, rows.tiles, req.kv_floor_R)
+    layers = _Layers(layout, batch, fake_quant)
+    e = module.embed(rows.ids_T)
     s = Streams(jnp.broadcast_to(e[:, None, :], (e.shape[0], c.hc_mult, e.shape[1])), None, None)
-    with _counting(expert_counts, b["valid"]) as counts:
-        for block in module.layers[:cut]:
-            with jax.named_scope(f"layer_{block.role.layer_id}"):
-                R, mix, x = attention_input(block, c, s, b.get("engram"))
-                with jax.named_scope("attn"):
-                    y, cache = layer.attend(block, x, meta, req, tiles, cache)
-                s = ffn_and_output(block, c, R, mix, y, b["ids"])
-    counts = _stacked(counts, module)
+    choices = []
+    for block in module.layers[:cut]:
+        with jax.named_scope(f"layer_{block.role.layer_id}"):
+            R, mix, x = attention_input(block, c, s, rows.engram_TEc)
+            with jax.named_scope("attn"):
+                y, cache = layers.attend(block, x, at, cache)
+            s, sel = ffn_and_output(block, c, R, mix, y, rows.ids_T)
+            choices.append(sel)
     block = module.layers[cut]
     with jax.named_scope(f"layer_{cut}_kv_path"):
-        R, mix, x = attention_input(block, c, s, b.get("engram"))
-        cos, sin = rope_angles(meta.pos, inv_freq(c, block.role.rope))
+        R, mix, x = attention_input(block, c, s, rows.engram_TEc)
+        cos, sin = rope_angles(rows.pos_T, inv_freq(c, block.role.rope))
         kv = block.attn.project_kv(x, cos, sin, fake_quant)
         if block.role.is_kv_source:
-            cache = global_kv.publish_source(layout, block, x, meta, req, cache, fake_quant)
-    carry = {"R": R, "x": x, "pre": mix.pre, "post": mix.post, "comb": mix.comb, "kv": kv, "ids": b["ids"],
-             "pos": b["pos"], "req": b["req"], "topk": layer.topk, "candidates": layer.candidates}
-    carry = {n: v for n, v in carry.items() if v is not None}
+            cache = global_kv.publish_source(layout, block, x, rows.pos_T, rows.req_T, rows.valid_T, req, cache,
+                                             fake_quant)
+    carry = SegmentCarry(R, x, mix, kv, rows.ids_T, rows.pos_T, rows.req_T, layers.topk)
+    counts = _counts(expert_counts, choices, rows.valid_T, module)
     if carry_buf is None:  # shape probe: the carry of this bucket
         return cache, carry, counts
     # Rows [0, T) of the persistent max-size buffer: segment 2's input shapes then depend on its own bucket only.
@@ -140,50 +138,47 @@ def segment1(module, layout: CacheLayout, cache: dict, carry_buf: dict, b: dict,
                                carry_buf, carry), counts
 
 
-def segment2(module, layout: CacheLayout, cache: dict, carry_buf: dict, b: dict, *, tile: int, fake_quant: bool,
-             expert_counts: bool = False) -> tuple[dict, jax.Array, tuple, jax.Array | None]:
-    """(cache, logits of each request's last row [max_num_seqs, V], row logprobs of every kept row: next-token
-    logprob [T2] and top ids / logprobs [T2, MAX_LOGPROBS] - zeros unless a chunk asked for them - and the
+def segment2(module, layout: CacheLayout, cache: dict, carry_buf: SegmentCarry, batch: StepBatch, *,
+             fake_quant: bool, expert_counts: bool = False) -> tuple[dict, jax.Array, tuple, jax.Array | None]:
+    """(cache, logits of each request's last row [max_num_seqs, V], prompt logprobs of every kept row: next-token
+    logprob [K] and top ids / logprobs [K, MAX_LOGPROBS] - zeros unless a chunk asked for them - and the
     expert counts of layers cut .. L-1 over the kept rows [L - cut, E] or None)."""
     c, cut = layout.config, layout.config.cut_layer
-    carry = gather_kept(carry_buf, b, window=layout.window, tile=tile)
-    req = _req(b)
-    meta = TokenMeta(carry["pos"], carry["req"], b["valid"])
-    size = tile
-    layer = _Layer(layout, fake_quant, b["n_iter"])
-    layer.topk, layer.candidates = dict(carry.get("topk", {})), carry.get("candidates")
+    kept, req = batch.kept, batch.requests
+    carry = gather_kept(carry_buf, kept)
+    layers = _Layers(layout, batch, fake_quant, topk=carry.topk)
     block = module.layers[cut]
-    with _counting(expert_counts, b["valid"]) as counts:
-        with jax.named_scope(f"layer_{cut}"):
-            tiles = _tiles(b, req, "kept_first", "kept_qlen", "kv_floor", size)  # the cut layer wrote every row
-            y, cache = layer.attend(block, carry["x"], meta, req, tiles, cache, band=gathered_band(*carry["band"]),
-                                    kv=carry["kv"])
-            s = ffn_and_output(block, c, carry["R"], HcMix(carry["pre"], carry["post"], carry["comb"]), y,
-                               carry["ids"])
-        tiles = _tiles(b, req, "kept_first", "kept_qlen", "dec_floor", size)
-        for block in module.layers[cut + 1:]:
-            with jax.named_scope(f"layer_{block.role.layer_id}"):
-                R, mix, x = attention_input(block, c, s)
-                with jax.named_scope("attn"):
-                    y, cache = layer.attend(block, x, meta, req, tiles, cache)
-                s = ffn_and_output(block, c, R, mix, y, carry["ids"])
+    choices = []
+    with jax.named_scope(f"layer_{cut}"):  # the cut layer wrote every row's SWA KV: only replay_start floors it
+        at = _RowView(carry.pos_T, carry.req_T, kept.valid_K, kept.tiles, req.kv_floor_R)
+        y, cache = layers.attend(block, carry.x_TD, at, cache, cut_kv=_CutKV(carry.kv_Td, carry_buf.kv_Td, kept.row_K))
+        s, sel = ffn_and_output(block, c, carry.R_TnD, carry.mix, y, carry.ids_T)
+        choices.append(sel)
+    at = at._replace(floor_R=req.decoder_floor_R)
+    for block in module.layers[cut + 1:]:
+        with jax.named_scope(f"layer_{block.role.layer_id}"):
+            R, mix, x = attention_input(block, c, s)
+            with jax.named_scope("attn"):
+                y, cache = layers.attend(block, x, at, cache)
+            s, sel = ffn_and_output(block, c, R, mix, y, carry.ids_T)
+            choices.append(sel)
     with jax.named_scope("logits"):
         R, pre = final_streams(s)
         h_TD = module.norm(hc_collapse(R, pre))
-        logits = module.head(h_TD[req["logit_row"]], jnp.float32)
-    with jax.named_scope("row_logprobs"):  # prompt logprobs: the head on every kept row, only when asked
-        rows = jax.lax.cond(b["rows_wanted"], lambda: _row_logprobs(module, h_TD, b["rows_next"]),
-                            lambda: _no_row_logprobs(h_TD.shape[0], c.vocab_size))
-    return cache, logits, rows, _stacked(counts, module)
+        logits = module.head(h_TD[kept.logit_row_R], jnp.float32)
+    with jax.named_scope("prompt_logprobs"):  # the head on every kept row, only when a chunk asks
+        rows = jax.lax.cond(jnp.any(kept.prompt_next_K >= 0),
+                            lambda: _prompt_logprobs(module, h_TD, jnp.maximum(kept.prompt_next_K, 0)),
+                            lambda: _no_prompt_logprobs(h_TD.shape[0], c.vocab_size))
+    return cache, logits, rows, _counts(expert_counts, choices, kept.valid_K, module)
 
 
-def _row_logprobs(module, h_TD: jax.Array, next_T: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _prompt_logprobs(module, h_TD: jax.Array, next_T: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     logp = jax.nn.log_softmax(module.head(h_TD, jnp.float32), axis=-1)
     top_lp, top_ids = jax.lax.top_k(logp, min(MAX_LOGPROBS, logp.shape[-1]))
     return jnp.take_along_axis(logp, next_T[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_lp
 
 
-def _no_row_logprobs(T: int, V: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _no_prompt_logprobs(T: int, V: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     K = min(MAX_LOGPROBS, V)
     return jnp.zeros((T,), jnp.float32), jnp.zeros((T, K), jnp.int32), jnp.zeros((T, K), jnp.float32)
-

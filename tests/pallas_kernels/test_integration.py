@@ -18,7 +18,7 @@ from dsv41.layers.moe import Experts, Router, set_kernel_impl
 from dsv41.model import forward
 from serving.runtime.config import RuntimeConfig
 from serving.runtime.runner import Runner
-from tests.pallas_kernels.util import fresh_rng
+from tests.pallas_kernels.util import seeded_rng
 from tests.serving.driver import Driver
 
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -51,7 +51,7 @@ def expected_fused_sites(blocks) -> int:
 
 
 def test_model_logits_agree_across_impls(tiny):
-    rng, msg = fresh_rng()
+    rng, msg = seeded_rng()
     ids = rng.integers(3, 500, 13).astype(np.int32)
     tiny.set_kernel_impl("reference")
     ref = tiny.logits(ids)
@@ -94,10 +94,10 @@ def _served(model, impl: str, prompt: list[int], decode: int) -> tuple[np.ndarra
 
 
 def test_runtime_logits_agree_across_impls_and_segments_hold_the_kernel(tiny):
-    rng, msg = fresh_rng()
+    rng, msg = seeded_rng()
     prompt = [int(t) for t in rng.integers(3, 500, 13)]
-    # "xla" (the CPU default) is covered by tests/serving/test_runtime.py against Model.logits, which
-    # test_model_logits_agree_across_impls ties to "reference".
+    # "xla" (the CPU default: the same ops) is covered by tests/serving/test_runtime.py against Model.logits,
+    # which test_model_logits_agree_across_impls ties to "reference".
     try:
         ref, _ = _served(tiny, "reference", prompt, decode=2)
         got, runner = _served(tiny, "pallas", prompt, decode=2)
@@ -107,8 +107,11 @@ def test_runtime_logits_agree_across_impls_and_segments_hold_the_kernel(tiny):
     seg1, seg2 = runner.trace(("seg1", 16)), runner.trace(("seg2", 16))
     mhc_calls = pallas_calls(seg1, "mhc_post_pre") + pallas_calls(seg2, "mhc_post_pre")
     assert mhc_calls == expected_fused_sites(tiny.module.layers)  # the segments split the model's sites
-    # The attention kernel runs in every layer but the cut layer's second half (its gathered band).
-    assert pallas_calls(seg1, "sparse_mla") + pallas_calls(seg2, "sparse_mla") == len(tiny.module.layers) - 1
+    # One attention kernel per layer (the cut layer's in segment 2, reading the window rows of the whole step)
+    # and one indexer scoring kernel per index source.
+    assert pallas_calls(seg1, "sparse_mla") + pallas_calls(seg2, "sparse_mla") == len(tiny.module.layers)
+    index_sources = sum(b.role.is_index_source for b in tiny.module.layers)
+    assert index_sources > 0 and pallas_calls(seg1, "index_scores") + pallas_calls(seg2, "index_scores") == index_sources
 
 
 def test_unknown_impl_refused(tiny):

@@ -64,7 +64,7 @@ def main() -> None:
     ref = model.logits(np.array(tokens))[PROMPT - 1:]
     print(json.dumps({"max_abs_err": float(np.abs(np.stack(got) - ref).max()), "ranks": runner.ranks,
                       "heads": c.num_attention_heads, "sparse_mla_heads_in_seg2": kernel_heads(seg2, "sparse_mla"),
-                      "layers_after_cut": c.num_hidden_layers - c.cut_layer - 1}))
+                      "layers_in_seg2": c.num_hidden_layers - c.cut_layer}))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,99 @@
+"""The typed contract of one step between the host and the two segment functions.
+
+`StepBatch` is built on the host by `batch.build_step` (NumPy arrays, padded to the step's buckets) and
+read on the device by the segments, attention and decoder replay:
+
+  requests  [R]  per request of the rank (R = max_num_seqs, unused entries zero)
+  rows      [T]  segment 1: every row the step computes, each request's rows contiguous and in order
+  kept      [K]  segment 2: the rows that run after the CED cut (decoder replay), as indices into `rows`
+  index_blocks_2  the dense indexer's trip counts: cache blocks holding the step's longest context, per
+                  compress ratio (index 0: ratio 1, 1: ratio 2) - dynamic values, so no recompilation
+
+Segment 1 receives the batch without `kept` and segment 2 without `rows`, so each compiles for its own
+bucket only. `SegmentCarry` is what segment 1 leaves for segment 2 (in a persistent buffer of the largest
+bucket: segment 2's shapes then depend on its own bucket alone).
+
+With data parallelism every array has a leading rank dimension on the host; the per-rank function sees
+one rank's arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import jax
+
+from dsv41.layers.mhc import HcMix
+from pallas_kernels.tiles import QueryTiles
+
+
+def _pytree(cls):
+    return jax.tree_util.register_dataclass(dataclass(frozen=True)(cls))
+
+
+@_pytree
+class Requests:
+    slot_R: jax.Array  # the request's row in the rank's per-slot state (SWA rings, compressor tails)
+    start_R: jax.Array  # first position computed this step (the SWA ring holds the earlier ones)
+    end_R: jax.Array  # one past the last position computed
+    kv_floor_R: jax.Array  # encoder replay: SWA rows below this position are never read
+    write_floor_R: jax.Array  # global / index rows whose last token is below this are not written
+    decoder_floor_R: jax.Array  # after the cut: max(kv_floor, end - window) for trimmed requests
+    block_table_RM: jax.Array  # the rank's paged blocks covering positions [0, end)
+
+
+@_pytree
+class Rows:
+    """Segment 1's rows: every token of the step."""
+
+    ids_T: jax.Array
+    pos_T: jax.Array
+    req_T: jax.Array  # request index of each row
+    valid_T: jax.Array  # false on padding rows
+    first_R: jax.Array  # each request's first row
+    qlen_R: jax.Array  # its rows in this step
+    tiles: QueryTiles  # attention / indexer work plan over these rows
+    engram_TEc: jax.Array | None  # Engram hash ids [T, engram layers, (max_ngram - 1) x heads]; None without Engram
+
+
+@_pytree
+class KeptRows:
+    """Segment 2's rows: each prefill's last `window` rows (all rows with decoder replay off), every decode row."""
+
+    row_K: jax.Array  # index of the kept row in `Rows`
+    valid_K: jax.Array
+    first_R: jax.Array  # each request's first kept row
+    qlen_R: jax.Array  # its kept rows
+    logit_row_R: jax.Array  # the kept row whose logits are sampled (the request's last)
+    tiles: QueryTiles
+    prompt_next_K: jax.Array  # prompt logprobs: the token after each kept row of a chunk that asks (-1: none)
+
+
+@_pytree
+class StepBatch:
+    requests: Requests
+    index_blocks_2: jax.Array
+    rows: Rows | None = None
+    kept: KeptRows | None = None
+
+    def segment1(self) -> StepBatch:
+        return dataclasses.replace(self, kept=None)
+
+    def segment2(self) -> StepBatch:
+        return dataclasses.replace(self, rows=None)
+
+
+@_pytree
+class SegmentCarry:
+    """Segment 1's rows as segment 2 resumes them: the cut layer stopped after its KV path."""
+
+    R_TnD: jax.Array  # the residual streams entering the cut layer's attention
+    x_TD: jax.Array  # the cut layer's normed attention input
+    mix: HcMix  # the cut layer's attention mix
+    kv_Td: jax.Array  # the cut layer's SWA rows (RoPE'd)
+    ids_T: jax.Array
+    pos_T: jax.Array
+    req_T: jax.Array
+    topk: dict[int, jax.Array]  # index source layer id -> its top-k row ids [T, index_topk] (the candidate
+    #                             source lies at or after the cut, so no candidate blocks cross it)

@@ -1,0 +1,105 @@
+"""The typed step contract built on the host (`batch.build_step` -> `StepBatch`): rows, kept rows (decoder
+replay), tiles, prompt-logprob targets and trip counts follow from the chunks, checked as invariants."""
+
+import jax
+import numpy as np
+import pytest
+
+from serving.runtime.batch import Buckets, SeqChunk, build_step
+from serving.runtime.step import StepBatch
+
+W, BS, TILE = 8, 8, 4
+BUCKETS = Buckets((8, 16, 32, 64), max_num_seqs=4, tile=TILE)
+
+
+def _tokens(n, seed=0):
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 500, n)]
+
+
+def _step(chunks, **kw) -> StepBatch:
+    return build_step(chunks, BUCKETS, max_blocks=8, window=W, block_size=BS, **kw)
+
+
+@pytest.fixture
+def chunks():
+    a = SeqChunk(slot=2, block_table=[5, 1, 7], token_ids=_tokens(20, 1), start=0, end=20, trim=True)
+    b = SeqChunk(slot=0, block_table=[3, 4, 6, 0, 2], token_ids=_tokens(31, 2), start=30, end=31, kv_floor=16,
+                 write_floor=24, trim=True)
+    c = SeqChunk(slot=1, block_table=[2], token_ids=_tokens(6, 3), start=0, end=5, prompt_logprobs=True)
+    return [a, b, c]
+
+
+def test_rows_requests_and_kept_rows(chunks):
+    a, b, c = chunks
+    s = _step(chunks)
+    rows, kept, req = s.rows, s.kept, s.requests
+    assert rows.ids_T.shape == (32,) and kept.row_K.shape == (16,)  # 26 rows -> 32; 8 + 1 + 5 kept -> 16
+    n = sum(ch.num_tokens for ch in chunks)
+    assert rows.valid_T.sum() == n and not rows.valid_T[n:].any()
+    for r, ch in enumerate(chunks):
+        sl = slice(rows.first_R[r], rows.first_R[r] + rows.qlen_R[r])
+        assert list(rows.pos_T[sl]) == list(range(ch.start, ch.end)) and (rows.req_T[sl] == r).all()
+        assert list(rows.ids_T[sl]) == list(ch.token_ids[ch.start:ch.end])
+        assert (req.slot_R[r], req.start_R[r], req.end_R[r]) == (ch.slot, ch.start, ch.end)
+        assert list(req.block_table_RM[r, :len(ch.block_table)]) == list(ch.block_table)
+    # decoder replay: a's last W rows, b's decode row, every row of c (prompt logprobs keep them all)
+    assert list(kept.qlen_R[:3]) == [W, 1, 5]
+    for r in range(3):
+        ks = kept.row_K[kept.first_R[r]:kept.first_R[r] + kept.qlen_R[r]]
+        assert (rows.req_T[ks] == r).all() and list(rows.pos_T[ks]) == list(range(chunks[r].end - kept.qlen_R[r],
+                                                                                    chunks[r].end))
+        assert kept.logit_row_R[r] == kept.first_R[r] + kept.qlen_R[r] - 1
+    assert kept.valid_K.sum() == W + 1 + 5
+    assert list(req.decoder_floor_R[:3]) == [20 - W, max(16, 31 - W), 0]
+    assert (req.kv_floor_R[1], req.write_floor_R[1]) == (16, 24)
+
+
+def test_tiles_cover_each_request_row_once(chunks):
+    s = _step(chunks)
+    for view, T in ((s.rows, 32), (s.kept, 16)):
+        t = view.tiles
+        assert t.size == TILE and t.count == BUCKETS.tiles(T)
+        covered = np.zeros(T, int)
+        for i in range(t.count):
+            r, f, k = t.req_N[i], t.first_N[i], t.n_N[i]
+            covered[f:f + k] += 1
+            assert k == 0 or view.first_R[r] <= f and f + k <= view.first_R[r] + view.qlen_R[r]
+        n = int(view.qlen_R.sum())
+        assert (covered[:n] == 1).all() and not covered[n:].any()
+
+
+def test_prompt_logprob_targets_and_trip_counts(chunks):
+    a, b, c = chunks
+    s = _step(chunks)
+    kept = s.kept
+    nxt = kept.prompt_next_K[kept.first_R[2]:kept.first_R[2] + 5]
+    assert list(nxt) == list(c.token_ids[1:6])  # the known next token of every row of c (its 6th is known)
+    others = np.ones(16, bool)
+    others[kept.first_R[2]:kept.first_R[2] + 5] = False
+    assert (kept.prompt_next_K[others] == -1).all()  # chunks not asking (and padding) have no targets
+    # the dense indexer scans the blocks of the longest context (31 positions): ratio 1 -> 4 blocks of 8 rows,
+    # ratio 2 -> 15 rows in blocks of 4 -> 4 blocks
+    assert list(s.index_blocks_2) == [4, 4]
+
+
+def test_segments_see_only_their_part(chunks):
+    s = _step(chunks)
+    one, two = s.segment1(), s.segment2()
+    assert one.kept is None and one.rows is s.rows and two.rows is None and two.kept is s.kept
+    leaves1, leaves2 = jax.tree.leaves(one), jax.tree.leaves(two)
+    assert all(isinstance(x, np.ndarray) for x in leaves1 + leaves2)
+    assert not any(x is y for x in leaves1 for y in jax.tree.leaves(s.kept))
+    assert not any(x is y for x in leaves2 for y in jax.tree.leaves(s.rows))
+
+
+def test_bad_chunks_are_refused(chunks):
+    a, b, c = chunks
+    with pytest.raises(ValueError, match="prompt logprobs need every row kept"):
+        _step([SeqChunk(slot=0, block_table=[0], token_ids=[1, 2, 3], start=0, end=3, trim=True,
+                        prompt_logprobs=True)])
+    with pytest.raises(ValueError, match="do not cover 20 positions"):
+        _step([SeqChunk(slot=0, block_table=[0, 1], token_ids=_tokens(20), start=0, end=20)])
+    with pytest.raises(ValueError, match="exceed max_num_seqs"):
+        _step(chunks + chunks)
+    with pytest.raises(ValueError, match="outside its"):
+        _step([SeqChunk(slot=0, block_table=[0], token_ids=[1, 2], start=0, end=3)])
