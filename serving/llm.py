@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import dsv41
-from serving.api.encoding import encode_messages
+from serving.text.encoding import encode_messages
 from serving.engine.engine import Engine, EngineArgs
 from serving.engine.request import TokenLogprob
 from serving.model_source import ModelSource, load_model

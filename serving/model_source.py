@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import dsv41
-from serving.api.tokenizer import Tokenizer, byte_level_tokenizer
+from serving.text.tokenizer import Tokenizer, byte_level_tokenizer
 
 DEFAULT_PRESET = "tiny"
 

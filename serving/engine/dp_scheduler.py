@@ -1,6 +1,6 @@
 """Data-parallel ranks behind the scheduler interface: one `Scheduler` and one `BlockManager` per rank
 (each rank has its own slots, budget, prefix cache and preemptions, as one vLLM engine core per DP rank),
-and the DP router (`sharding.dp_router`) choosing a new request's rank: by default the rank that served its
+and the DP router (`serving.engine.dp_router`) choosing a new request's rank: by default the rank that served its
 session (`X-Session-ID`, else its prompt's first tokens), where its prefix cache is.
 
 A request keeps its rank until it finishes (preemption re-queues it on the same rank). One engine step
@@ -14,7 +14,7 @@ from dsv41.config import ModelConfig
 from serving.engine.request import Request
 from serving.engine.scheduler import Scheduled, Scheduler, SchedulerConfig
 from serving.runtime.block_manager import BlockManager
-from sharding.dp_router import DPRouter, RouterConfig
+from serving.engine.dp_router import DPRouter, RouterConfig
 
 
 class DataParallelScheduler:

@@ -26,7 +26,7 @@ from serving.runtime.batch import SeqChunk
 from serving.runtime.config import RuntimeConfig
 from serving.runtime.runner import Runner, StepOutput
 from serving.runtime.sampling_params import SamplingParams
-from sharding.dp_router import POLICIES
+from serving.engine.dp_router import POLICIES
 from sharding.eplb import EplbConfig
 
 log = logging.getLogger("serving.engine")

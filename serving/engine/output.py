@@ -5,7 +5,7 @@ length limits. Stop strings are matched on text; text that may still become a st
 
 from __future__ import annotations
 
-from serving.api.detokenizer import IncrementalDetokenizer
+from serving.text.detokenizer import IncrementalDetokenizer
 from serving.engine.request import Request
 
 

@@ -81,7 +81,7 @@ def test_eplb_without_expert_parallel_is_refused():
 
 
 def test_server_flags():
-    from serving.api.cli import main, parser
+    from serving.server import main, parser
 
     a = parser().parse_args(["--enable-expert-parallel", "-dp", "8", "--enable-eplb", "--eplb-window-size", "10",
                              "--eplb-step-interval", "20", "--eplb-num-redundant-experts", "8"])

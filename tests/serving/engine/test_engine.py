@@ -119,7 +119,7 @@ def test_offline_llm_matches_the_engine(engine, model, args):
     from dataclasses import asdict
 
     from serving import LLM
-    from serving.api.tokenizer import byte_level_tokenizer
+    from serving.text.tokenizer import byte_level_tokenizer
 
     llm = LLM(model, tokenizer=byte_level_tokenizer(512), progress=False, **asdict(args))
     p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from serving.api.tokenizer import byte_level_tokenizer
+from serving.text.tokenizer import byte_level_tokenizer
 from serving.engine.output import OutputState
 from serving.engine.request import Request
 from serving.runtime.sampling_params import SamplingParams

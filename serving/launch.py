@@ -1,7 +1,7 @@
 """Start N local processes on JAX's distributed runtime (CPU collectives over gloo, the coordinator on a
 free localhost port) and serve requests across them with a sharded layout.
 
-    python -m sharding.launch --num-processes 2 --devices-per-process 2 \\
+    python -m serving.launch --num-processes 2 --devices-per-process 2 \\
         --data-parallel-size 2 --tensor-parallel-size 2 --enable-expert-parallel --preset tiny
 
 Each process builds the same random model, places its shards of the parameters on its devices and runs the
@@ -90,7 +90,7 @@ def launch(args: argparse.Namespace, passthrough: list[str]) -> int:
     coordinator = f"127.0.0.1:{free_port()}"
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": f"--xla_force_host_platform_device_count={args.devices_per_process}"}
-    procs = [subprocess.Popen([sys.executable, "-m", "sharding.launch", "--worker", "--process-id", str(i),
+    procs = [subprocess.Popen([sys.executable, "-m", "serving.launch", "--worker", "--process-id", str(i),
                                "--num-processes", str(args.num_processes), "--coordinator", coordinator, *passthrough],
                               env=env, stdout=subprocess.PIPE if i == 0 else subprocess.DEVNULL, text=True)
              for i in range(args.num_processes)]

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_two_processes_serve_requests_end_to_end():
     prompt_len, steps = 12, 3
-    cmd = [sys.executable, "-m", "sharding.launch", "--num-processes", "2", "--devices-per-process", "2",
+    cmd = [sys.executable, "-m", "serving.launch", "--num-processes", "2", "--devices-per-process", "2",
            "--data-parallel-size", "2", "--tensor-parallel-size", "2", "--enable-expert-parallel",
            "--preset", "tiny", "--seed", "0", "--prompt-len", str(prompt_len), "--decode-steps", str(steps),
            "--num-requests", "2", "--compilation-cache-dir", str(XLA_CACHE), "--timeout", "400"]

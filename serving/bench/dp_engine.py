@@ -8,7 +8,7 @@ object: per policy the prefix-cache hit rate (cached / prompt tokens, as vLLM's 
 queries`), the share of sessions with >= 95% of turns on one rank, the router's moves off saturated ranks,
 output tokens per second and wall time.
 
-    python -m sharding.bench_dp_engine --num-cpu-devices 4 --data-parallel-size 4 --enable-expert-parallel \\
+    python -m serving.bench.dp_engine --num-cpu-devices 4 --data-parallel-size 4 --enable-expert-parallel \\
         --sessions 16 --turns 4 [--out dp_engine.json]
 """
 
@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from sharding.bench_router import emit, stickiness
+from serving.bench.dp_router import emit, stickiness
 
 
 def run(policy: str, sm, placement, a: argparse.Namespace) -> dict:
@@ -105,7 +105,7 @@ def main() -> None:
         jax.config.update("jax_num_cpu_devices", a.num_cpu_devices)
     import dsv41
     from serving.runtime.runner import enable_compilation_cache
-    from sharding.dp_router import POLICIES
+    from serving.engine.dp_router import POLICIES
     from sharding.model import ShardedModel
     from sharding.runtime import MeshPlacement
 

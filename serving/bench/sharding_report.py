@@ -1,7 +1,7 @@
 """Per-device memory and collective traffic of a layout.
 
-    python -m sharding.report --preset v41-flash --tensor-parallel-size 4
-    python -m sharding.report --preset v41-flash --data-parallel-size 8 --enable-expert-parallel
+    python -m serving.bench.sharding_report --preset v41-flash --tensor-parallel-size 4
+    python -m serving.bench.sharding_report --preset v41-flash --data-parallel-size 8 --enable-expert-parallel
 
 Parameter and KV bytes per device: the rules table applied to the preset's abstract parameter shapes
 (`nnx.eval_shape`, nothing allocated) and to the runtime's KV-cache layout (KV per cached token and per
