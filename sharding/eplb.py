@@ -164,13 +164,3 @@ class EplbState:
 
     def balancedness(self) -> float:
         return balancedness(self.window_load(), self.placement)
-
-    def metrics(self) -> dict[str, float]:
-        """Prometheus-style gauges for the server's /metrics."""
-        p = f"eplb_{self.name}_"
-        out = {p + "balancedness": self.balancedness(), p + "steps": float(self.steps),
-               p + "rearrangements": float(self.rearrangements)}
-        if self.last_balancedness_after is not None:
-            out[p + "balancedness_before_last_rearrangement"] = self.last_balancedness_before
-            out[p + "balancedness_after_last_rearrangement"] = self.last_balancedness_after
-        return out

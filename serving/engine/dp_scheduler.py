@@ -53,9 +53,6 @@ class DataParallelScheduler:
         return self.ranks[req.rank].blocks.block_table(req.request_id)
 
     # ------------------------------------------------------------------ state
-    def has_work(self) -> bool:
-        return any(r.has_work() for r in self.ranks)
-
     @property
     def running(self) -> list[Request]:
         return [q for r in self.ranks for q in r.running]

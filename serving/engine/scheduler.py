@@ -191,6 +191,3 @@ class Scheduler:
         """The step wrote positions [start, end) of `s.request`: register its full blocks in the cache."""
         s.request.num_computed = s.end
         self.blocks.commit(s.request.request_id, s.request.token_ids, s.end)
-
-    def has_work(self) -> bool:
-        return bool(self.running) or self.num_waiting > 0
