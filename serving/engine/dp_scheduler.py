@@ -11,7 +11,7 @@ the plain scheduler.
 from __future__ import annotations
 
 from dsv41.config import ModelConfig
-from serving.engine.request import Request
+from serving.engine.request import Finish, Request
 from serving.engine.scheduler import Scheduled, Scheduler, SchedulerConfig
 from serving.runtime.block_manager import BlockManager
 from serving.engine.dp_router import DPRouter, RouterConfig
@@ -46,8 +46,8 @@ class DataParallelScheduler:
     def schedule(self) -> list[Scheduled]:
         return [s for r in self.ranks for s in r.schedule()]
 
-    def computed(self, s: Scheduled) -> None:
-        self.ranks[s.request.rank].computed(s)
+    def postprocess(self, s: Scheduled, token: int | None) -> Finish | None:
+        return self.ranks[s.request.rank].postprocess(s, token)
 
     def block_table(self, req: Request) -> list[int]:
         return self.ranks[req.rank].blocks.block_table(req.request_id)

@@ -1,7 +1,8 @@
 """The synchronous engine core: requests in, one step at a time, per-request deltas out.
 
 `step()` = scheduler decides the chunks -> the runner runs them (one call per segment, one device->host copy)
--> the scheduler registers the written blocks -> sampled tokens become text, logprobs and finish decisions.
+-> the scheduler registers the written blocks, appends the sampled tokens and decides token finishes -> the
+output handling turns the tokens into text (a stop string there finishes the request too) and logprobs.
 The async server and the offline `LLM` both drive this class; only one thread may call it.
 """
 
@@ -20,7 +21,7 @@ from serving.engine.dp_scheduler import DataParallelScheduler
 from serving.engine.eplb import EngineEplb
 from serving.engine.metrics import EngineMetrics
 from serving.engine.output import OutputState
-from serving.engine.request import Request, RequestOutput, TokenLogprob
+from serving.engine.request import Finish, Request, RequestOutput, TokenLogprob
 from serving.engine.scheduler import Scheduled, SchedulerConfig
 from serving.runtime.batch import SeqChunk
 from serving.runtime.config import RuntimeConfig
@@ -148,7 +149,7 @@ class Engine:
                       cache_salt=cache_salt)
         self.scheduler.add(req)
         self.requests[request_id] = req
-        self._out[request_id] = OutputState(req, self.tokenizer, limit)
+        self._out[request_id] = OutputState(req, self.tokenizer)
         self._update_gauges()
         return req
 
@@ -176,11 +177,12 @@ class Engine:
                     self.eplb.after_step(out.expert_counts, self.runner)
                 now = time.monotonic()
                 for i, s in enumerate(sched):
-                    self.scheduler.computed(s)
+                    token = int(out.tokens[i]) if s.sample else None
+                    finish = self.scheduler.postprocess(s, token)
                     if i in out.prompt_logprobs:
                         self._collect_prompt_logprobs(s, out.prompt_logprobs[i])
                     if s.sample:
-                        outputs.append(self._sampled(s.request, out, i, now))
+                        outputs.append(self._sampled(s.request, token, finish, out, i, now))
         self._update_gauges()
         return outputs
 
@@ -221,8 +223,10 @@ class Engine:
             tok = req.prompt_ids[p + 1]
             got[p + 1] = TokenLogprob(tok, float(rows.logprob[j]), _top(rows.top_ids[j], rows.top_logprobs[j], k))
 
-    def _sampled(self, req: Request, out: StepOutput, i: int, now: float) -> RequestOutput:
-        tok = int(out.tokens[i])
+    def _sampled(self, req: Request, tok: int, finish: Finish | None, out: StepOutput, i: int, now: float
+                 ) -> RequestOutput:
+        """The scheduler appended `tok` (and decided `finish` from it): its text, logprobs and, with a stop string
+        in the text, the finish."""
         if req.first_token_time is None:
             req.first_token_time = now
             self.metrics.ttft.observe(now - req.arrival)
@@ -230,14 +234,16 @@ class Engine:
             self.metrics.itl.observe(now - req.last_token_time)
         req.last_token_time = now
         self.metrics.generation_tokens.inc()
-        text, reason, stop_reason = self._out[req.request_id].append(tok)
+        text, stop_string = self._out[req.request_id].update(tok, finish)
+        if stop_string is not None:
+            finish = Finish("stop", stop_string)
         lp = None
         if req.params.logprobs is not None:
             lp = [TokenLogprob(tok, float(out.logprobs[i]), _top(out.top_ids[i], out.top_logprobs[i],
                                                                  req.params.logprobs))]
         prompt_lp = self._prompt_lp.pop(req.request_id, None)
-        if reason is not None:
-            o = self._finish(req, reason, stop_reason, text, [tok])
+        if finish is not None:
+            o = self._finish(req, finish.reason, finish.stop_reason, text, [tok])
             o.new_logprobs, o.prompt_logprobs = lp, prompt_lp
             return o
         return RequestOutput(req.request_id, [tok], text, False, new_logprobs=lp, prompt_logprobs=prompt_lp,

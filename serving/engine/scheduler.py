@@ -6,7 +6,8 @@ when blocks run out (recompute: blocks and slot freed, the request waits again a
 the prefix cache when it resumes); then admits waiting requests while slots, budget and blocks allow.
 Admission looks up the prefix cache and applies the encoder-replay rewind (`plan_prefix_hit`): the request
 restarts at `replay_start`, never rewriting cached rows below `write_floor`. Blocks for the whole prompt are
-reserved at admission so chunked prefills of many long prompts cannot thrash each other.
+reserved at admission so chunked prefills of many long prompts cannot thrash each other. After the step,
+`postprocess` appends each sampled token and decides the token-based finishes (nano-vllm's `postprocess`).
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dsv41.config import ModelConfig
-from serving.engine.request import Request, Status
+from serving.engine.request import Finish, Request, Status
 from serving.runtime.block_manager import BlockManager, PrefixHit
 from serving.runtime.encoder_replay import plan_prefix_hit
 
@@ -44,15 +45,16 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class Scheduled:
-    """One request's work in a step: positions [start, end); `sample` when end reaches its last token."""
+    """One request's work in a step: positions [start, end); `sample` when end reaches its last token (fixed when
+    scheduled: `postprocess` appends the sampled token afterwards)."""
 
     request: Request
     start: int
     end: int
+    sample: bool = field(init=False)
 
-    @property
-    def sample(self) -> bool:
-        return self.end == self.request.num_tokens
+    def __post_init__(self):
+        object.__setattr__(self, "sample", self.end == self.request.num_tokens)
 
 
 class QueueFull(RuntimeError):
@@ -187,7 +189,23 @@ class Scheduler:
         self.add(req, front=True)
 
     # ----------------------------------------------------------------- update
-    def computed(self, s: Scheduled) -> None:
-        """The step wrote positions [start, end) of `s.request`: register its full blocks in the cache."""
-        s.request.num_computed = s.end
-        self.blocks.commit(s.request.request_id, s.request.token_ids, s.end)
+    def postprocess(self, s: Scheduled, token: int | None) -> Finish | None:
+        """The step ran `s`: positions [start, end) are written (their full blocks are registered in the prefix
+        cache) and, when the chunk sampled, `token` is appended. Returns the finish the token decides, if any:
+        EOS (unless ignore_eos) or a stop token id once more than `min_tokens` are out, else the length limits
+        (`max_tokens`, `max_model_len`). Stop strings are text: the engine's output handling finds those."""
+        req = s.request
+        req.num_computed = s.end
+        self.blocks.commit(req.request_id, req.token_ids, s.end)
+        if not s.sample:
+            return None
+        req.token_ids.append(token)
+        p = req.params
+        if req.num_output > p.min_tokens:
+            if token in p.stop_token_ids:
+                return Finish("stop", token)
+            if token == req.eos_id and not p.ignore_eos:
+                return Finish("stop", None)
+        if (p.max_tokens is not None and req.num_output >= p.max_tokens) or req.num_tokens >= self.cfg.max_model_len:
+            return Finish("length", None)
+        return None

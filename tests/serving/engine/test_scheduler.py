@@ -26,11 +26,10 @@ def _req(rid, n, seed=0, **kw):
 
 
 def _finish_step(s, sched, token=7):
-    """What the engine does after a step: mark rows computed, append a token where the chunk samples."""
+    """What the engine does after a step: the scheduler registers the rows and appends a token where the chunk
+    samples."""
     for x in sched:
-        s.computed(x)
-        if x.sample:
-            x.request.token_ids.append(token)
+        s.postprocess(x, token if x.sample else None)
 
 
 def test_budget_chunking_and_decode_rows():
@@ -44,6 +43,7 @@ def test_budget_chunking_and_decode_rows():
     assert [(x.request.request_id, x.start, x.end, x.sample) for x in second] == [("a", 32, 50, True),
                                                                                   ("b", 0, 5, True)]
     _finish_step(s, second)
+    assert all(x.sample for x in second)  # fixed when scheduled: the token appended afterwards does not change it
     third = s.schedule()
     assert [(x.start, x.end) for x in third] == [(50, 51), (5, 6)]  # one decode row each
 
