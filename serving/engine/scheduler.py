@@ -87,7 +87,10 @@ class Scheduler:
         else:
             self._waiting_fcfs.append(req)
 
-    def _peek(self) -> Request | None:
+    @property
+    def next_waiting(self) -> Request | None:
+        """The waiting request admission tries next (FCFS: the oldest, preempted ones first; priority: the
+        lowest value, then the earliest arrival), or None."""
         if self.cfg.policy == "priority":
             return self._waiting_heap[0][3] if self._waiting_heap else None
         return self._waiting_fcfs[0] if self._waiting_fcfs else None
@@ -134,8 +137,8 @@ class Scheduler:
                 out.append(Scheduled(req, req.num_computed, req.num_computed + n))
                 budget -= n
         # vLLM admits nothing new in a step that had to preempt: the pool is known to be short.
-        while not preempted and budget > 0 and self.free_slots and self._peek() is not None:
-            req = self._peek()
+        while not preempted and budget > 0 and self.free_slots and self.next_waiting is not None:
+            req = self.next_waiting
             start = self._admit(req)
             if start is None:
                 break

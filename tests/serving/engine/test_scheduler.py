@@ -95,7 +95,7 @@ def test_preemption_frees_blocks_and_resumes_first():
         _finish_step(s, s.schedule())  # a grows past 32 -> needs a 5th block: b (the last) is preempted
     assert b.status is Status.WAITING and b.num_preemptions == 1 and s.num_preemptions == 1
     assert b.num_computed == 0 and b.slot is None and b.cached_tokens == 0
-    assert s._peek() is b  # resumes before anything newer
+    assert s.next_waiting is b  # resumes before anything newer
 
 
 def test_queue_limit_and_priority_order():
@@ -133,7 +133,7 @@ def test_randomized_runs_keep_the_invariants():
         for r in s.running:
             for blk in s.blocks.block_table(r.request_id):
                 refs[blk] = refs.get(blk, 0) + 1
-        assert refs == {b: c for b, c in enumerate(s.blocks._ref) if c}
+        assert refs == {b: c for b, c in enumerate(s.blocks.snapshot().ref_counts) if c}
     for r in list(live):
         s.remove(r)
     assert s.blocks.num_free_blocks == 20 and sorted(s.free_slots) == [0, 1, 2, 3] and n > 40
