@@ -34,7 +34,7 @@ def _run(probs, cfg, steps, seed=1):
 
 
 def test_zipf_rebalanced_and_uniform_control():
-    cfg = EplbConfig(window_size=8, step_interval=10, num_redundant_experts=16)
+    cfg = EplbConfig(eplb_window_size=8, eplb_step_interval=10, eplb_num_redundant_experts=16)
     skew = _run(_zipf(1.5), cfg, 10)
     uniform = _run(np.full((L, E), 1.0 / E), cfg, 10)
     print(f"\nZipf 1.5: {skew.last_balancedness_before:.3f} -> {skew.last_balancedness_after:.3f}; "
@@ -49,7 +49,7 @@ def test_zipf_rebalanced_and_uniform_control():
 
 
 def test_window_and_interval():
-    cfg = EplbConfig(window_size=3, step_interval=5)
+    cfg = EplbConfig(eplb_window_size=3, eplb_step_interval=5)
     st = EplbState("target", 1, 8, 4, cfg)
     for i in range(4):
         st.record(np.full((1, 8), i + 1))
@@ -77,7 +77,7 @@ def test_placement_invariants():
 
 
 def test_draft_state_is_separate():
-    cfg = EplbConfig(window_size=4, step_interval=4, num_redundant_experts=8)
+    cfg = EplbConfig(eplb_window_size=4, eplb_step_interval=4, eplb_num_redundant_experts=8)
     target = EplbState("target", L, E, RANKS, cfg)
     draft = EplbState("draft", 1, 16, RANKS, cfg)
     rng = np.random.default_rng(0)

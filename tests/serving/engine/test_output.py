@@ -12,6 +12,7 @@ from serving.engine.output import OutputState
 from serving.engine.request import Finish, Request
 from serving.engine.scheduler import Scheduler, SchedulerConfig
 from serving.runtime.block_manager import BlockManager
+from serving.runtime.config import RuntimeConfig
 from serving.runtime.sampling_params import SamplingParams
 from serving.text.tokenizer import byte_level_tokenizer
 
@@ -22,8 +23,8 @@ def _run(text_ids, max_model_len=10_000, **params):
     """Feed `text_ids` as the sampled tokens of one request, one decode step each, the way the engine does."""
     req = Request("r", [TOK.bos_id], SamplingParams(**{"temperature": 0, "max_tokens": 1000, **params}),
                   eos_id=TOK.eos_id)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8, max_model_len=max_model_len),
-                      dsv41.ModelConfig.preset("tiny"), BlockManager(64, 8))
+    rc = RuntimeConfig(max_num_seqs=1, max_num_batched_tokens=8, max_model_len=max_model_len)
+    sched = Scheduler(SchedulerConfig(), rc, dsv41.ModelConfig.preset("tiny"), BlockManager(64, 8))
     sched.add(req)
     st = OutputState(req, TOK)
     pieces = []

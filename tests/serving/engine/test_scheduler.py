@@ -7,7 +7,8 @@ import pytest
 
 import dsv41
 from serving.engine.request import Request, Status
-from serving.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
+from serving.engine.args import EngineArgs
+from serving.engine.scheduler import QueueFull, Scheduler
 from serving.runtime.block_manager import BlockManager
 from serving.runtime.sampling_params import SamplingParams
 
@@ -16,8 +17,8 @@ BS = 8
 
 
 def _sched(num_blocks=64, **kw):
-    cfg = SchedulerConfig(**{"max_num_seqs": 4, "max_num_batched_tokens": 32, **kw})
-    return Scheduler(cfg, CFG, BlockManager(num_blocks, BS, cfg.enable_prefix_caching))
+    a = EngineArgs.of(**{"max_num_seqs": 4, "max_num_batched_tokens": 32, **kw})
+    return Scheduler(a.scheduler, a.runtime, CFG, BlockManager(num_blocks, BS, a.scheduler.enable_prefix_caching))
 
 
 def _req(rid, n, seed=0, **kw):
@@ -99,7 +100,7 @@ def test_preemption_frees_blocks_and_resumes_first():
 
 
 def test_queue_limit_and_priority_order():
-    s = _sched(max_queued_requests=2, policy="priority")
+    s = _sched(max_queued_requests=2, scheduling_policy="priority")
     s.add(_req("late", 5, priority=5)), s.add(_req("urgent", 5, priority=-1))
     with pytest.raises(QueueFull):
         s.add(_req("x", 5))
