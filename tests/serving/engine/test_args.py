@@ -1,11 +1,13 @@
 """EngineArgs: flat keywords routed to their sections, one name per knob, errors that name the field; `LLM`
 takes the same flat keywords and refuses unknown ones before loading anything."""
 
+import argparse
 import dataclasses
+from dataclasses import dataclass, field
 
 import pytest
 
-from serving.engine.args import EngineArgs, field_names
+from serving.engine.args import EngineArgs, FlagError, add_flags, field_names, from_flags, to_flags
 from serving.engine.scheduler import SchedulerConfig
 from serving.runtime.config import RuntimeConfig
 from sharding.eplb import EplbConfig
@@ -55,3 +57,34 @@ def test_unknown_keywords_are_type_errors_naming_them():
 
     with pytest.raises(TypeError, match="LLM got an unexpected keyword argument 'bogus'"):
         LLM(bogus=1)
+
+
+@dataclass(frozen=True)
+class _Knobs:
+    count: int = field(default=2, metadata={"help": "how many", "aliases": ("-c",)})
+    name: str | None = None
+    mode: str = field(default="a", metadata={"choices": ("a", "b"), "flag": "--knob-mode"})
+    sizes: tuple[int, ...] | None = None
+    on: bool = True
+    off: bool = False
+
+    def __post_init__(self):
+        if self.count < 1:
+            raise ValueError(f"count must be >= 1, got {self.count}")
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser()
+    add_flags(p, _Knobs, "knobs")
+    return from_flags(_Knobs, p.parse_args(argv))
+
+
+def test_flags_from_fields_names_types_and_back():
+    got = _parse(["-c", "3", "--name", "x", "--knob-mode", "b", "--sizes", "1,2", "--no-on", "--off"])
+    assert got == _Knobs(3, "x", "b", (1, 2), False, True)
+    assert to_flags(got) == ["--count", "3", "--name", "x", "--knob-mode", "b", "--sizes", "1,2", "--no-on", "--off"]
+    assert _parse(to_flags(got)) == got and _parse([]) == _Knobs() and to_flags(_Knobs()) == []
+    with pytest.raises(FlagError, match="argument --count: count must be >= 1, got 0"):
+        _parse(["--count", "0"])
+    with pytest.raises(SystemExit):  # argparse refuses a value outside the choices
+        _parse(["--knob-mode", "c"])
