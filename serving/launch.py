@@ -119,7 +119,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=12)
     ap.add_argument("--decode-steps", type=int, default=3)
     ap.add_argument("--num-requests", type=int, default=2)
-    ap.add_argument("--compilation-cache-dir", default="", help="persistent XLA cache ('' = off)")
+    ap.add_argument("--compilation-cache-dir", default="",
+                    help="persistent XLA cache ('' = off, the default: on jax 0.12 steps loaded from a warm cache "
+                         "fail to set up the CPU collectives between the processes - Gloo context timeouts)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
