@@ -36,9 +36,9 @@ class Engine:
     def __init__(self, model: dsv41.Model, tokenizer=None, args: EngineArgs = EngineArgs(), *,
                  model_name: str = "dsv41", progress: bool = True):
         """With `args.parallel` over more than one device the engine shards the model on that mesh
-        (`sharding.model.ShardedModel`, one `shard_map` per step over the data-parallel ranks): each rank has its
-        own slots, blocks and batch, requests go to ranks by `dp_routing_policy`, and `args.eplb` may balance the
-        experts."""
+        (`sharding.model.ShardedModel`; the runner runs its segments per data-parallel rank in a `shard_map`): each
+        rank has its own slots, blocks and batch, requests go to ranks by `dp_routing_policy`, and `args.eplb` may
+        balance the experts."""
         placement = None
         if args.parallel.world_size > 1:
             model = ShardedModel(model, args.parallel)
