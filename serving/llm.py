@@ -1,7 +1,7 @@
 """The offline API for notebooks and scripts (vLLM's shape):
 
     from serving import LLM, SamplingParams
-    llm = LLM()                                   # built-in tiny model; or LLM("path/to/checkpoint")
+    llm = LLM()                                   # built-in tiny model; or LLM("path/to/checkpoint", max_num_seqs=16)
     out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=16))
     print(out[0].outputs[0].text)
 
@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import dsv41
-from serving.api.encoding import encode_messages
-from serving.engine.engine import Engine, EngineArgs
+from serving.engine.args import EngineArgs, field_names, route_keywords
+from serving.engine.engine import Engine
 from serving.engine.request import TokenLogprob
-from serving.model_source import ModelSource, load_model
+from serving.model_source import ModelArgs, ModelSource, load_model
 from serving.runtime.sampling_params import SamplingParams
+from serving.text.encoding import encode_messages
 
 
 @dataclass
@@ -46,17 +47,24 @@ Prompt = str | Sequence[int] | dict
 
 
 class LLM:
-    def __init__(self, model: str | dsv41.Model | None = None, *, dtype: str = "float32", seed: int = 0,
-                 tokenizer=None, progress: bool = True, **engine_args):
+    def __init__(self, model: str | dsv41.Model | None = None, *, tokenizer=None, progress: bool = True, **config):
+        """`model`: a checkpoint folder, a preset name, None (the built-in tiny model) or a `dsv41.Model`.
+        `config`: flat keywords, each a field of `ModelArgs` (dtype, served_model_name) or of a section of
+        `EngineArgs` (max_num_seqs=16, block_size=8, seed=..., tensor_parallel_size=...); an unknown one is a
+        TypeError naming it."""
+        routed = route_keywords(config, {"model": field_names(ModelArgs) - {"model"},
+                                         "engine": EngineArgs.field_names()}, "LLM")
+        model_args = ModelArgs(model if isinstance(model, str) else None, **routed["model"])
+        engine_args = EngineArgs.of(**routed["engine"])
+        engine_args.parallel.use_cpu_devices()  # before the model is loaded: JAX's backends start then
         if isinstance(model, dsv41.Model):
-            src = ModelSource(model, tokenizer, "dsv41", "in-memory model")
+            src = ModelSource(model, tokenizer, model_args.served_model_name or "dsv41", "in-memory model")
         else:
-            src = load_model(model, dtype, seed)
+            src = load_model(model_args, engine_args.runtime.seed)
             src.tokenizer = tokenizer or src.tokenizer
         self.source = src
         self.tokenizer = src.tokenizer
-        self.engine = Engine(src.model, src.tokenizer, EngineArgs(seed=seed, **engine_args), model_name=src.name,
-                             progress=progress)
+        self.engine = Engine(src.model, src.tokenizer, engine_args, model_name=src.name, progress=progress)
         self._counter = 0
 
     def generate(self, prompts: Prompt | Sequence[Prompt],

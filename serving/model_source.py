@@ -4,24 +4,49 @@ weights (seed 0) and the byte-level tokenizer carrying the V4.1 special tokens."
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import dsv41
-from serving.api.tokenizer import Tokenizer, byte_level_tokenizer
+from serving.text.tokenizer import Tokenizer, byte_level_tokenizer
 
 DEFAULT_PRESET = "tiny"
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """What to serve (each field is also a server flag, see `serving.engine.args`). The seed of a preset's random
+    weights is the runtime's `seed`."""
+
+    model: str | None = field(default=None, metadata={
+        "help": "checkpoint folder (release safetensors or converted), or a preset name; default: the built-in "
+                "tiny model with random weights"})
+    served_model_name: str | None = field(default=None, metadata={
+        "help": "model id clients send (default: the folder or preset name)"})
+    dtype: str = field(default="float32", metadata={"choices": DTYPES, "help": "compute dtype of the weights"})
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
 
 
 @dataclass
 class ModelSource:
     model: dsv41.Model
     tokenizer: Tokenizer | None
-    name: str  # the default served model name
+    name: str  # the served model name
     description: str  # one line for the banner
 
 
-def load_model(model: str | None, dtype: str = "float32", seed: int = 0) -> ModelSource:
+def load_model(args: ModelArgs, seed: int = 0) -> ModelSource:
+    """The model, its tokenizer and its served name; `seed` draws a preset's random weights."""
+    src = _load(args.model, args.dtype, seed)
+    src.name = args.served_model_name or src.name
+    return src
+
+
+def _load(model: str | None, dtype: str, seed: int) -> ModelSource:
     if model is None:
         m = dsv41.random_model(DEFAULT_PRESET, seed=seed, dtype=dtype)
         return ModelSource(m, byte_level_tokenizer(m.config.vocab_size), f"dsv41-{DEFAULT_PRESET}",

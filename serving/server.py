@@ -1,6 +1,113 @@
-"""`python -m serving.server --help`: the OpenAI-compatible server (see serving/api/cli.py)."""
+"""`python -m serving.server`: vLLM-style flags -> model, engine (precompiled), and the HTTP server (the entry point
+that puts the layers together: model loading, the engine, the API).
 
-from serving.api.cli import main
+The flags are generated from three kinds of dataclass: `ModelArgs` (what to serve), `ServerArgs` (HTTP and the
+process) and the sections of `EngineArgs`; `--help` lists them by section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+from typing import NamedTuple
+
+from serving.api.server import ServerArgs
+from serving.engine.args import EngineArgs, FlagError, add_flags, from_flags, to_flags
+from serving.model_source import ModelArgs
+
+
+class ServeArgs(NamedTuple):
+    model: ModelArgs
+    server: ServerArgs
+    engine: EngineArgs
+
+    def to_cli_args(self) -> list[str]:
+        """Flags that parse back to these values (defaults left out)."""
+        return to_flags(self.model) + to_flags(self.server) + self.engine.to_flags()
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m serving.server",
+                                description="OpenAI-compatible server for DeepSeek-V4.1 models on JAX.")
+    add_flags(p, ModelArgs, "model: what to serve")
+    add_flags(p, ServerArgs, "server: HTTP, logging, compilation cache")
+    EngineArgs.add_flags(p)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> ServeArgs:
+    """The flags as sections; a bad value exits with a usage error naming its flag (status 2)."""
+    p = parser()
+    ns = p.parse_args(argv)
+    try:
+        return ServeArgs(from_flags(ModelArgs, ns), from_flags(ServerArgs, ns), EngineArgs.from_flags(ns))
+    except FlagError as e:
+        p.error(str(e))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    srv, ea = args.server, args.engine
+    logging.basicConfig(level=srv.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    t0 = time.perf_counter()
+    _say("loading ...")
+    ea.parallel.use_cpu_devices()  # before anything starts JAX's backends
+    import uvicorn
+
+    from serving.api.server import build_app
+    from serving.engine.async_engine import AsyncEngine
+    from serving.engine.engine import Engine
+    from serving.model_source import load_model
+    from serving.runtime.runner import enable_compilation_cache
+
+    enable_compilation_cache(srv.compilation_cache_dir)
+    try:
+        src = load_model(args.model, ea.runtime.seed)
+        _say(f"model: {src.description}")
+        _say(f"loaded in {time.perf_counter() - t0:.1f}s; precompiling the step buckets "
+             f"(cached in {srv.compilation_cache_dir or 'memory only'}) ...")
+        engine = Engine(src.model, src.tokenizer, ea, model_name=src.name, progress=True)
+    except (ValueError, OSError) as e:
+        sys.exit(f"error: {e}")
+    if ea.parallel.world_size > 1:
+        _say(f"parallel layout: {ea.parallel.describe()}")
+    kv = engine.runner.kv_report()
+    per_rank = f" ({engine.runner.ranks} data-parallel ranks)" if engine.runner.ranks > 1 else ""
+    _say(f"KV cache: {engine.scheduler.num_blocks} blocks of {engine.scheduler.block_size} tokens{per_rank}, "
+         f"{kv['total_bytes'] / 2**20:.1f} MiB; {len(engine.runner.buckets.tokens)} token buckets "
+         f"compiled in {engine.runner.compile_seconds:.1f}s")
+    aengine = AsyncEngine(engine)
+    app = build_app(aengine, src.tokenizer, model_name=src.name, max_model_len=ea.runtime.max_model_len,
+                    api_key=srv.api_key, max_body_bytes=srv.max_request_body_bytes)
+    config = uvicorn.Config(app, host=srv.host, port=srv.port, log_level=srv.log_level,
+                            access_log=not srv.disable_access_log, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+
+    async def serve():
+        aengine.start(asyncio.get_running_loop())
+        ready = asyncio.create_task(_announce(server, f"http://{srv.host}:{srv.port}", src.name, t0))
+        try:
+            await server.serve()
+        finally:
+            ready.cancel()
+            aengine.shutdown()
+
+    asyncio.run(serve())
+
+
+async def _announce(server, url: str, name: str, t0: float) -> None:
+    while not server.started:
+        await asyncio.sleep(0.05)
+    _say(f"ready in {time.perf_counter() - t0:.1f}s: serving {name!r} at {url}/v1 (OpenAI API), "
+         f"{url}/health, {url}/metrics")
+
+
+def _say(msg: str) -> None:
+    print(f"[dsv41-jax] {msg}", file=sys.stderr, flush=True)
+
 
 if __name__ == "__main__":
     main()

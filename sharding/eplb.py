@@ -1,5 +1,5 @@
 """Expert-parallel load balancer (EPLB, serving spec §5.4): per-expert load over a sliding window of steps,
-a rearrangement every `step_interval` steps that replicates hot experts into redundant slots and packs
+a rearrangement every `eplb_step_interval` steps that replicates hot experts into redundant slots and packs
 the physical experts onto ranks, and the physical -> logical map the expert dispatch applies.
 
 One `EplbState` per model: the target and the DSpark drafter keep separate states (their routers see
@@ -13,23 +13,31 @@ replicas (token index mod replica count), so a replica carries load / replicas.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 
 @dataclass(frozen=True)
 class EplbConfig:
-    window_size: int = 1000  # steps of load history (vLLM default)
-    step_interval: int = 3000  # steps between rearrangements (vLLM default)
-    num_redundant_experts: int = 0  # extra physical slots for replicas of hot experts
+    """Whether and how the engine balances the experts (vLLM's defaults; each field is also a server flag)."""
+
+    enable_eplb: bool = field(default=False, metadata={
+        "help": "record per-expert load every step and rearrange the experts over the expert-parallel ranks every "
+                "--eplb-step-interval steps, hot experts replicated into redundant slots (needs "
+                "--enable-expert-parallel)"})
+    eplb_window_size: int = field(default=1000, metadata={"help": "steps of load the rearrangement looks at"})
+    eplb_step_interval: int = field(default=3000, metadata={"help": "steps between rearrangements"})
+    eplb_num_redundant_experts: int = field(default=0, metadata={
+        "help": "extra expert slots over all ranks for replicas of hot experts (n_routed_experts + this must "
+                "divide over the ranks)"})
 
     def __post_init__(self):
-        for name in ("window_size", "step_interval"):
+        for name in ("eplb_window_size", "eplb_step_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_redundant_experts < 0:
-            raise ValueError(f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
+        if self.eplb_num_redundant_experts < 0:
+            raise ValueError(f"eplb_num_redundant_experts must be >= 0, got {self.eplb_num_redundant_experts}")
 
 
 @dataclass(frozen=True)
@@ -130,8 +138,8 @@ class EplbState:
 
     def __init__(self, name: str, n_layers: int, n_logical: int, n_ranks: int, config: EplbConfig = EplbConfig()):
         self.name, self.config, self.n_ranks = name, config, n_ranks
-        self.placement = identity_placement(n_layers, n_logical, n_ranks, config.num_redundant_experts)
-        self.window = np.zeros((config.window_size, n_layers, n_logical), np.int64)  # ring of per-step counts
+        self.placement = identity_placement(n_layers, n_logical, n_ranks, config.eplb_num_redundant_experts)
+        self.window = np.zeros((config.eplb_window_size, n_layers, n_logical), np.int64)  # ring of per-step counts
         self._load = np.zeros((n_layers, n_logical), np.int64)  # the ring's sum, kept as it turns
         self.steps = 0
         self.rearrangements = 0
@@ -142,35 +150,25 @@ class EplbState:
         if counts_LE.shape != self.window.shape[1:]:
             raise ValueError(f"{self.name}: expert counts must be {list(self.window.shape[1:])}, "
                              f"got {list(counts_LE.shape)}")
-        slot = self.steps % self.config.window_size
+        slot = self.steps % self.config.eplb_window_size
         self._load += counts_LE - self.window[slot]
         self.window[slot] = counts_LE
 
     def window_load(self) -> np.ndarray:
-        """[L, E] tokens per logical expert over the last window_size recorded steps."""
+        """[L, E] tokens per logical expert over the last eplb_window_size recorded steps."""
         return self._load.copy()
 
     def step(self) -> Placement | None:
-        """End of a step: every step_interval steps, the new placement (apply it between steps)."""
+        """End of a step: every eplb_step_interval steps, the new placement (apply it between steps)."""
         self.steps += 1
-        if self.steps % self.config.step_interval:
+        if self.steps % self.config.eplb_step_interval:
             return None
         load = self.window_load()
         self.last_balancedness_before = balancedness(load, self.placement)
-        self.placement = rebalance(load, self.n_ranks, self.config.num_redundant_experts)
+        self.placement = rebalance(load, self.n_ranks, self.config.eplb_num_redundant_experts)
         self.last_balancedness_after = balancedness(load, self.placement)
         self.rearrangements += 1
         return self.placement
 
     def balancedness(self) -> float:
         return balancedness(self.window_load(), self.placement)
-
-    def metrics(self) -> dict[str, float]:
-        """Prometheus-style gauges for the server's /metrics."""
-        p = f"eplb_{self.name}_"
-        out = {p + "balancedness": self.balancedness(), p + "steps": float(self.steps),
-               p + "rearrangements": float(self.rearrangements)}
-        if self.last_balancedness_after is not None:
-            out[p + "balancedness_before_last_rearrangement"] = self.last_balancedness_before
-            out[p + "balancedness_after_last_rearrangement"] = self.last_balancedness_after
-        return out

@@ -17,8 +17,7 @@ the rest, so the rules (`sharding.rules`) name experts by ("dp_ep", "tp_ep"), th
 
 from __future__ import annotations
 
-import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import numpy as np
@@ -39,15 +38,26 @@ class ParallelConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
-    enable_expert_parallel: bool = False
-    expert_parallel_size: int | None = None  # default with EP on: dp x tp (vLLM); needs EP on
+    """The device layout (each field is also a server flag: the name, `help` and `aliases` make it)."""
+
+    tensor_parallel_size: int = field(default=1, metadata={
+        "aliases": ("-tp",), "help": "attention heads (and, without expert parallelism, experts) split this many ways"})
+    data_parallel_size: int = field(default=1, metadata={
+        "aliases": ("-dp",), "help": "data-parallel attention ranks, each with its own requests, slots and KV cache"})
+    enable_expert_parallel: bool = field(default=False, metadata={
+        "help": "split the routed experts over the devices (all-to-all dispatch) instead of each expert's width"})
+    expert_parallel_size: int | None = field(default=None, metadata={
+        "aliases": ("-ep",), "help": "expert-parallel ranks (needs --enable-expert-parallel; default: dp x tp)"})
+    num_cpu_devices: int | None = field(default=None, metadata={
+        "help": "on the CPU backend: split the host into this many devices (parallel layouts without "
+                "accelerators)"})
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ParallelConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_cpu_devices is not None and self.num_cpu_devices < 1:
+            raise ParallelConfigError(f"num_cpu_devices must be >= 1, got {self.num_cpu_devices}")
         ep = self.expert_parallel_size
         if ep is not None:
             if not self.enable_expert_parallel:
@@ -108,20 +118,11 @@ class ParallelConfig:
         return (f"{self.layout}: dp={self.data_parallel_size} tp={self.tensor_parallel_size} ep={self.ep} "
                 f"moe_tp={self.moe_tp} mesh={self.factors()}")
 
-    # ------------------------------------------------------------------ flags
-    @staticmethod
-    def add_arguments(parser: argparse.ArgumentParser) -> None:
-        g = parser.add_argument_group("parallelism")
-        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-        g.add_argument("--data-parallel-size", "-dp", type=int, default=1)
-        g.add_argument("--enable-expert-parallel", action="store_true")
-        g.add_argument("--expert-parallel-size", "-ep", type=int, default=None,
-                       help="default with --enable-expert-parallel: dp x tp")
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> ParallelConfig:
-        return cls(args.tensor_parallel_size, args.data_parallel_size, args.enable_expert_parallel,
-                   args.expert_parallel_size)
+    def use_cpu_devices(self) -> None:
+        """Split the host CPU into `num_cpu_devices` devices (if set); call before anything starts JAX's
+        backends (creating an array does)."""
+        if self.num_cpu_devices is not None:
+            jax.config.update("jax_num_cpu_devices", self.num_cpu_devices)
 
 
 def make_mesh(pc: ParallelConfig, devices: list | None = None) -> Mesh:

@@ -1,1 +1,1 @@
-"""OpenAI-facing layer: tokenizer, V4.1 prompt encoding, output parsers, detokenizer, server."""
+"""OpenAI-facing layer: request schemas, reasoning and DSML tool-call parsers, the FastAPI server and its CLI."""

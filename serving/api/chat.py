@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from serving.api.encoding import encode_messages, resolve_thinking
+from serving.text.encoding import encode_messages, resolve_thinking
 from serving.api.generation import (SSE_DONE, Usage, chat_logprobs, merged, new_id, now, prompt_logprobs_json, sse,
                                     submit_choices)
 from serving.api.protocol import ChatCompletionRequest

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-from serving.api.encoding import INVOKE_START, THINK_END, THINK_START, TOOL_CALLS_START
+from serving.text.encoding import INVOKE_START, THINK_END, THINK_START, TOOL_CALLS_START
 
 
 class _State(Enum):

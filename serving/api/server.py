@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,6 +27,31 @@ from serving.engine.async_engine import AsyncEngine, EngineDead
 from serving.engine.scheduler import QueueFull
 
 log = logging.getLogger("serving.api")
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """The HTTP server and its process (each field is also a server flag, see `serving.engine.args`)."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = field(default=8000, metadata={"help": "port to listen on"})
+    api_key: str | None = field(default=None, metadata={"help": "require 'Authorization: Bearer KEY' on /v1 routes"})
+    max_request_body_bytes: int = field(default=32 << 20, metadata={"help": "larger request bodies get HTTP 413"})
+    compilation_cache_dir: str = field(default=str(Path.home() / ".cache" / "dsv41-jax" / "xla"), metadata={
+        "help": "persistent XLA cache of the compiled steps: a restart with the same flags skips compiling ('' "
+                "turns it off)"})
+    disable_access_log: bool = field(default=False, metadata={"help": "no log line per HTTP request"})
+    log_level: str = field(default="info", metadata={"choices": LOG_LEVELS, "help": "the server's log level"})
+
+    def __post_init__(self):
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_request_body_bytes < 1:
+            raise ValueError(f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
 
 
 def error(status: int, message: str, param: str | None = None) -> JSONResponse:

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from serving.api.encoding import (INVOKE_END, INVOKE_START, PARAMETER_END, PARAMETER_START, TOOL_CALLS_END,
+from serving.text.encoding import (INVOKE_END, INVOKE_START, PARAMETER_END, PARAMETER_START, TOOL_CALLS_END,
                                   TOOL_CALLS_START)
 from serving.api.reasoning import held_suffix_length
 

@@ -29,26 +29,24 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _engine_flags(args) -> list[str]:
-    buckets = sorted({args.batch, args.max_num_batched_tokens})
-    return ["--max-num-seqs", str(args.batch), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--max-model-len", str(args.context + args.steps + 8), "--block-size", str(args.block_size),
-            "--token-buckets", ",".join(map(str, buckets)), "--dtype", args.dtype]
+def _engine_args(args):
+    """The engine configuration both sides run (the bare runner takes its runtime section, the server its flags)."""
+    from serving.engine.args import EngineArgs
+
+    return EngineArgs.of(max_num_seqs=args.batch, max_num_batched_tokens=args.max_num_batched_tokens,
+                         max_model_len=args.context + args.steps + 8, block_size=args.block_size,
+                         token_buckets=tuple(sorted({args.batch, args.max_num_batched_tokens})))
 
 
 def bare(args) -> dict:
     import dsv41
     from serving.bench.prefill import bench_decode
-    from serving.engine.engine import EngineArgs
     from serving.runtime.runner import Runner, enable_compilation_cache
 
     enable_compilation_cache(args.compilation_cache_dir)
     model = (dsv41.random_model(args.model or "tiny", dtype=args.dtype)
              if args.model is None or args.model in dsv41.PRESETS else dsv41.load(args.model, dtype=args.dtype))
-    ea = EngineArgs(max_num_seqs=args.batch, max_num_batched_tokens=args.max_num_batched_tokens,
-                    max_model_len=args.context + args.steps + 8, block_size=args.block_size,
-                    token_buckets=tuple(sorted({args.batch, args.max_num_batched_tokens})))
-    r = Runner(model, ea.runtime_config(), progress=False)
+    r = Runner(model, _engine_args(args).runtime, progress=False)
     r.precompile()
     tps = bench_decode(r, args.batch, args.context, args.steps, model.config.vocab_size)
     return {"tokens_per_s": tps, "step_ms": 1000 * args.batch / tps}
@@ -71,7 +69,8 @@ def served(args) -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "serving.server", "--port", str(port), "--disable-access-log", "--log-level",
-           "warning", "--compilation-cache-dir", args.compilation_cache_dir, *_engine_flags(args)]
+           "warning", "--compilation-cache-dir", args.compilation_cache_dir, "--dtype", args.dtype,
+           *_engine_args(args).to_flags()]
     if args.model:
         cmd += ["--model", args.model]
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.DEVNULL)
@@ -117,10 +116,13 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    ap.add_argument("--compilation-cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "dsv41-jax",
-                                                                     "xla"))
+    ap.add_argument("--compilation-cache-dir", default=None, help="default: the server's")
     ap.add_argument("--out", default="bench_decode_overhead.json")
     args = ap.parse_args(argv)
+    if args.compilation_cache_dir is None:
+        from serving.api.server import ServerArgs
+
+        args.compilation_cache_dir = ServerArgs().compilation_cache_dir
     b = bare(args)
     s = served(args)
     ratio = s["tokens_per_s"] / b["tokens_per_s"]

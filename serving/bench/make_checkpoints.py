@@ -9,7 +9,7 @@ require: V4 ratios 0 / 4 (CSA) / 128 (HCA) / 4 with a hash-routed first layer, V
 with layers 1 and 2 as KV sources, 1-3 as index sources and layer 2 as the candidate source for layer 3's
 top-k (layer 3 a CED decoder layer), no Engram and no DSpark.
 `peer` is the 78.5M-parameter V4 the peer tooling measured vLLM and HF on (`../shared/peer/make_tiny_v4.py`).
-Both folders get the built-in byte-level tokenizer (`serving.api.tokenizer.byte_level_tokenizer`, V4.1
+Both folders get the built-in byte-level tokenizer (`serving.text.tokenizer.byte_level_tokenizer`, V4.1
 special tokens) when that module is present; the benchmark itself sends token ids and needs none.
 """
 
@@ -76,9 +76,9 @@ def write_checkpoint(folder: Path, release: dict, seed: int, dtype: str) -> int:
 
 
 def write_tokenizer(folder: Path, vocab_size: int) -> bool:
-    """The byte-level tokenizer into `folder`; False when `serving.api.tokenizer` is not installed."""
+    """The byte-level tokenizer into `folder`; False when `serving.text.tokenizer` is not installed."""
     try:
-        from serving.api.tokenizer import byte_level_tokenizer
+        from serving.text.tokenizer import byte_level_tokenizer
     except ImportError:
         return False
     byte_level_tokenizer(vocab_size).write(folder)
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         {"size": args.size, "dtype": args.dtype, "seed": args.seed, "parameters": counts,
          "tokenizer": "byte-level" if tokenizer else None}, indent=1))
     print("tokenizer.json: the byte-level tokenizer" if tokenizer else
-          "no tokenizer.json (serving.api.tokenizer is not installed): token-id prompts only")
+          "no tokenizer.json (serving.text.tokenizer is not installed): token-id prompts only")
     return 0
 
 

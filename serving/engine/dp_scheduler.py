@@ -1,7 +1,7 @@
 """Data-parallel ranks behind the scheduler interface: one `Scheduler` and one `BlockManager` per rank
 (each rank has its own slots, budget, prefix cache and preemptions, as one vLLM engine core per DP rank),
-and the DP router (`sharding.dp_router`) choosing a new request's rank: by default the rank that served its
-session (`X-Session-ID`, else its prompt's first tokens), where its prefix cache is.
+and the DP router (`serving.engine.dp_router`) choosing a new request's rank: by default the rank that
+served its session (`X-Session-ID`, else its prompt's first tokens), where its prefix cache is.
 
 A request keeps its rank until it finishes (preemption re-queues it on the same rank). One engine step
 schedules every rank and the runner runs all ranks' batches in one call; with one rank this is exactly
@@ -11,21 +11,22 @@ the plain scheduler.
 from __future__ import annotations
 
 from dsv41.config import ModelConfig
-from serving.engine.request import Request
+from serving.engine.dp_router import DPRouter, RouterConfig
+from serving.engine.request import Finish, Request
 from serving.engine.scheduler import Scheduled, Scheduler, SchedulerConfig
 from serving.runtime.block_manager import BlockManager
-from sharding.dp_router import DPRouter, RouterConfig
+from serving.runtime.config import RuntimeConfig
 
 
 class DataParallelScheduler:
-    def __init__(self, cfg: SchedulerConfig, model_config: ModelConfig, *, num_blocks: int, block_size: int,
-                 ranks: int = 1, routing_policy: str = "sticky", max_inflight: int | None = None):
-        """`num_blocks`: each rank's KV blocks; `max_inflight`: requests in flight (running or waiting) that
-        saturate a rank for the sticky policy (default: twice its `max_num_seqs` slots - full, with as many
-        waiting)."""
-        self.ranks = [Scheduler(cfg, model_config, BlockManager(num_blocks, block_size, cfg.enable_prefix_caching))
+    def __init__(self, cfg: SchedulerConfig, rc: RuntimeConfig, model_config: ModelConfig, *, num_blocks: int,
+                 block_size: int, ranks: int = 1):
+        """`num_blocks`: each rank's KV blocks. A rank is saturated for sticky routing at `cfg.dp_max_inflight`
+        requests in flight (running or waiting), by default twice its `max_num_seqs` slots - full, with as
+        many waiting."""
+        self.ranks = [Scheduler(cfg, rc, model_config, BlockManager(num_blocks, block_size, cfg.enable_prefix_caching))
                       for _ in range(ranks)]
-        self.router = DPRouter(RouterConfig(ranks, routing_policy, max_inflight or 2 * cfg.max_num_seqs))
+        self.router = DPRouter(RouterConfig(ranks, cfg.dp_routing_policy, cfg.dp_max_inflight or 2 * rc.max_num_seqs))
         self.block_size, self.blocks_per_rank = block_size, num_blocks
 
     # ------------------------------------------------------------------ requests
@@ -46,16 +47,13 @@ class DataParallelScheduler:
     def schedule(self) -> list[Scheduled]:
         return [s for r in self.ranks for s in r.schedule()]
 
-    def computed(self, s: Scheduled) -> None:
-        self.ranks[s.request.rank].computed(s)
+    def postprocess(self, s: Scheduled, token: int | None) -> Finish | None:
+        return self.ranks[s.request.rank].postprocess(s, token)
 
     def block_table(self, req: Request) -> list[int]:
         return self.ranks[req.rank].blocks.block_table(req.request_id)
 
     # ------------------------------------------------------------------ state
-    def has_work(self) -> bool:
-        return any(r.has_work() for r in self.ranks)
-
     @property
     def running(self) -> list[Request]:
         return [q for r in self.ranks for q in r.running]

@@ -1,7 +1,8 @@
 """The synchronous engine core: requests in, one step at a time, per-request deltas out.
 
 `step()` = scheduler decides the chunks -> the runner runs them (one call per segment, one device->host copy)
--> the scheduler registers the written blocks -> sampled tokens become text, logprobs and finish decisions.
+-> the scheduler registers the written blocks, appends the sampled tokens and decides token finishes -> the
+output handling turns the tokens into text (a stop string there finishes the request too) and logprobs.
 The async server and the offline `LLM` both drive this class; only one thread may call it.
 """
 
@@ -10,105 +11,53 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
 
 import jax
 import numpy as np
 
 import dsv41
+from serving.engine.args import EngineArgs
 from serving.engine.dp_scheduler import DataParallelScheduler
 from serving.engine.eplb import EngineEplb
 from serving.engine.metrics import EngineMetrics
 from serving.engine.output import OutputState
-from serving.engine.request import Request, RequestOutput, TokenLogprob
-from serving.engine.scheduler import Scheduled, SchedulerConfig
+from serving.engine.request import Finish, Request, RequestOutput, TokenLogprob
+from serving.engine.scheduler import Scheduled
 from serving.runtime.batch import SeqChunk
-from serving.runtime.config import RuntimeConfig
 from serving.runtime.runner import Runner, StepOutput
 from serving.runtime.sampling_params import SamplingParams
-from sharding.dp_router import POLICIES
-from sharding.eplb import EplbConfig
+from sharding.model import ShardedModel
+from sharding.runtime import MeshPlacement
 
 log = logging.getLogger("serving.engine")
 
 
-@dataclass(frozen=True)
-class EngineArgs:
-    """Every engine knob in one place (the server's flags map onto these one to one)."""
-
-    max_num_seqs: int = 8
-    max_num_batched_tokens: int = 512
-    max_model_len: int = 4096
-    block_size: int = 64
-    kv_cache_dtype: str = "auto"
-    kv_cache_memory: int | None = None
-    swa_bounded_replay: bool = True
-    enable_prefix_caching: bool = True
-    long_prefill_token_threshold: int = 0
-    max_queued_requests: int = 4096
-    scheduling_policy: str = "fcfs"
-    seed: int = 0
-    tile: int = 8
-    fake_quant: bool = False
-    token_buckets: tuple[int, ...] | None = None  # compiled step sizes; default: the runtime's ladder
-    eplb: bool = False  # expert load balancing (needs a model sharded with expert parallelism)
-    eplb_window_size: int = 1000  # steps of per-expert load the rearrangement looks at
-    eplb_step_interval: int = 3000  # steps between rearrangements
-    eplb_num_redundant_experts: int = 0  # extra expert slots (over all ranks) for replicas of hot experts
-    dp_routing_policy: str = "sticky"  # data-parallel ranks: "sticky" (session / prefix owner) or "load"
-    dp_max_inflight: int | None = None  # requests in flight that saturate a rank (default 2 x max_num_seqs)
-
-    def __post_init__(self):
-        if self.dp_routing_policy not in POLICIES:
-            raise ValueError(f"dp_routing_policy {self.dp_routing_policy!r}: choose one of {POLICIES}")
-        if self.dp_max_inflight is not None and self.dp_max_inflight < 1:
-            raise ValueError(f"dp_max_inflight must be >= 1, got {self.dp_max_inflight}")
-        if self.eplb:
-            self.eplb_config()  # refuse bad EPLB numbers when the arguments are built
-
-    def eplb_config(self) -> EplbConfig:
-        return EplbConfig(window_size=self.eplb_window_size, step_interval=self.eplb_step_interval,
-                          num_redundant_experts=self.eplb_num_redundant_experts)
-
-    def runtime_config(self) -> RuntimeConfig:
-        return RuntimeConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                             max_model_len=self.max_model_len, block_size=self.block_size,
-                             kv_cache_dtype=self.kv_cache_dtype, kv_cache_memory=self.kv_cache_memory,
-                             swa_bounded_replay=self.swa_bounded_replay, tile=self.tile, fake_quant=self.fake_quant,
-                             seed=self.seed, token_buckets=self.token_buckets)
-
-    def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                               max_model_len=self.max_model_len,
-                               long_prefill_token_threshold=self.long_prefill_token_threshold,
-                               max_queued_requests=self.max_queued_requests, policy=self.scheduling_policy,
-                               swa_bounded_replay=self.swa_bounded_replay,
-                               enable_prefix_caching=self.enable_prefix_caching)
-
-
 class Engine:
     def __init__(self, model: dsv41.Model, tokenizer=None, args: EngineArgs = EngineArgs(), *,
-                 model_name: str = "dsv41", progress: bool = True, placement=None):
-        """`model` may be a `sharding.model.ShardedModel` with its `sharding.runtime.MeshPlacement` (then each
-        data-parallel rank has its own slots, blocks and batch, requests are routed to ranks by
-        `args.dp_routing_policy`, and `args.eplb` balances the experts)."""
+                 model_name: str = "dsv41", progress: bool = True):
+        """With `args.parallel` over more than one device the engine shards the model on that mesh
+        (`sharding.model.ShardedModel`; the runner runs its segments per data-parallel rank in a `shard_map`): each
+        rank has its own slots, blocks and batch, requests go to ranks by `dp_routing_policy`, and `args.eplb` may
+        balance the experts."""
+        placement = None
+        if args.parallel.world_size > 1:
+            model = ShardedModel(model, args.parallel)
+            placement = MeshPlacement(model.mesh)
         self.model, self.tokenizer, self.args = model, tokenizer, args
         self.metrics = EngineMetrics(model_name)
         # before the runner: EPLB's first placement is part of the graph the runner compiles
-        self.eplb = EngineEplb(model, args.eplb_config(), self.metrics) if args.eplb else None
-        self.runner = Runner(model, args.runtime_config(), progress=progress, placement=placement,
-                             expert_counts=args.eplb)
+        self.eplb = EngineEplb(model, args.eplb, self.metrics) if args.eplb.enable_eplb else None
+        self.runner = Runner(model, args.runtime, progress=progress, placement=placement,
+                             expert_counts=args.eplb.enable_eplb)
         self.runner.precompile()
         layout = self.runner.layout
-        self.scheduler = DataParallelScheduler(args.scheduler_config(), model.config, num_blocks=layout.num_blocks,
-                                               block_size=layout.block_size, ranks=self.runner.ranks,
-                                               routing_policy=args.dp_routing_policy,
-                                               max_inflight=args.dp_max_inflight)
+        self.scheduler = DataParallelScheduler(args.scheduler, args.runtime, model.config, num_blocks=layout.num_blocks,
+                                               block_size=layout.block_size, ranks=self.runner.ranks)
         self.metrics.total_blocks.set(self.scheduler.num_blocks)
         self.requests: dict[str, Request] = {}
         self._out: dict[str, OutputState] = {}
         self._prompt_lp: dict[str, list] = {}
-        self._rng = np.random.default_rng(args.seed)
+        self._rng = np.random.default_rng(args.runtime.seed)
         self.eos_id = getattr(tokenizer, "eos_id", model.config.eos_token_id)
         self._preemptions_seen = 0
         self._update_gauges()
@@ -120,7 +69,7 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt = [int(t) for t in prompt_ids]
-        vocab, limit = self.model.config.vocab_size, self.args.max_model_len
+        vocab, limit = self.model.config.vocab_size, self.args.runtime.max_model_len
         if not prompt:
             raise ValueError("prompt is empty")
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
@@ -148,7 +97,7 @@ class Engine:
                       cache_salt=cache_salt)
         self.scheduler.add(req)
         self.requests[request_id] = req
-        self._out[request_id] = OutputState(req, self.tokenizer, limit)
+        self._out[request_id] = OutputState(req, self.tokenizer)
         self._update_gauges()
         return req
 
@@ -176,11 +125,12 @@ class Engine:
                     self.eplb.after_step(out.expert_counts, self.runner)
                 now = time.monotonic()
                 for i, s in enumerate(sched):
-                    self.scheduler.computed(s)
+                    token = int(out.tokens[i]) if s.sample else None
+                    finish = self.scheduler.postprocess(s, token)
                     if i in out.prompt_logprobs:
                         self._collect_prompt_logprobs(s, out.prompt_logprobs[i])
                     if s.sample:
-                        outputs.append(self._sampled(s.request, out, i, now))
+                        outputs.append(self._sampled(s.request, token, finish, out, i, now))
         self._update_gauges()
         return outputs
 
@@ -189,7 +139,7 @@ class Engine:
         return SeqChunk(slot=req.slot, block_table=self.scheduler.block_table(req), token_ids=req.token_ids,
                         rank=req.rank, start=s.start, end=s.end, kv_floor=req.plan.replay_start,
                         write_floor=req.plan.write_floor,
-                        trim=self.args.swa_bounded_replay and not req.keeps_all_rows, sample=s.sample,
+                        trim=self.args.runtime.swa_bounded_replay and not req.keeps_all_rows, sample=s.sample,
                         prompt_logprobs=req.keeps_all_rows and req.request_id in self._prompt_lp
                         and s.start < req.num_prompt - 1)
 
@@ -221,8 +171,10 @@ class Engine:
             tok = req.prompt_ids[p + 1]
             got[p + 1] = TokenLogprob(tok, float(rows.logprob[j]), _top(rows.top_ids[j], rows.top_logprobs[j], k))
 
-    def _sampled(self, req: Request, out: StepOutput, i: int, now: float) -> RequestOutput:
-        tok = int(out.tokens[i])
+    def _sampled(self, req: Request, tok: int, finish: Finish | None, out: StepOutput, i: int, now: float
+                 ) -> RequestOutput:
+        """The scheduler appended `tok` (and decided `finish` from it): its text, logprobs and, with a stop string
+        in the text, the finish."""
         if req.first_token_time is None:
             req.first_token_time = now
             self.metrics.ttft.observe(now - req.arrival)
@@ -230,14 +182,16 @@ class Engine:
             self.metrics.itl.observe(now - req.last_token_time)
         req.last_token_time = now
         self.metrics.generation_tokens.inc()
-        text, reason, stop_reason = self._out[req.request_id].append(tok)
+        text, stop_string = self._out[req.request_id].update(tok, finish)
+        if stop_string is not None:
+            finish = Finish("stop", stop_string)
         lp = None
         if req.params.logprobs is not None:
             lp = [TokenLogprob(tok, float(out.logprobs[i]), _top(out.top_ids[i], out.top_logprobs[i],
                                                                  req.params.logprobs))]
         prompt_lp = self._prompt_lp.pop(req.request_id, None)
-        if reason is not None:
-            o = self._finish(req, reason, stop_reason, text, [tok])
+        if finish is not None:
+            o = self._finish(req, finish.reason, finish.stop_reason, text, [tok])
             o.new_logprobs, o.prompt_logprobs = lp, prompt_lp
             return o
         return RequestOutput(req.request_id, [tok], text, False, new_logprobs=lp, prompt_logprobs=prompt_lp,

@@ -1,6 +1,6 @@
 """The expert load balancer in the engine (serving spec §5.4, issue #6): every step's per-expert token counts
 (from the runtime, fetched with the sampled tokens) go into the model's `sharding.eplb.EplbState`; every
-`step_interval` steps the state rearranges the experts and the new placement is applied between steps:
+`eplb_step_interval` steps the state rearranges the experts and the new placement is applied between steps:
 the sharded model gathers its physical expert weights, the runner takes the new values (same shapes and
 shardings: no recompilation). Balancedness and the rearrangement count go to /metrics.
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from serving.runtime.encoder_replay import PrefixPlan
 from serving.runtime.sampling_params import SamplingParams
@@ -14,6 +15,13 @@ class Status(enum.Enum):
     WAITING = "waiting"  # not admitted, or preempted (blocks freed; recomputes on resumption)
     RUNNING = "running"
     FINISHED = "finished"
+
+
+class Finish(NamedTuple):
+    """Why a request ends: reason "stop" (stop_reason: the stop token id or string; None for EOS) or "length"."""
+
+    reason: str
+    stop_reason: int | str | None
 
 
 @dataclass(frozen=True)

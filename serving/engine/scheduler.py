@@ -6,7 +6,8 @@ when blocks run out (recompute: blocks and slot freed, the request waits again a
 the prefix cache when it resumes); then admits waiting requests while slots, budget and blocks allow.
 Admission looks up the prefix cache and applies the encoder-replay rewind (`plan_prefix_hit`): the request
 restarts at `replay_start`, never rewriting cached rows below `write_floor`. Blocks for the whole prompt are
-reserved at admission so chunked prefills of many long prompts cannot thrash each other.
+reserved at admission so chunked prefills of many long prompts cannot thrash each other. After the step,
+`postprocess` appends each sampled token and decides the token-based finishes (nano-vllm's `postprocess`).
 """
 
 from __future__ import annotations
@@ -14,45 +15,65 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dsv41.config import ModelConfig
-from serving.engine.request import Request, Status
+from serving.engine.dp_router import POLICIES as ROUTING_POLICIES
+from serving.engine.request import Finish, Request, Status
 from serving.runtime.block_manager import BlockManager, PrefixHit
+from serving.runtime.config import RuntimeConfig
 from serving.runtime.encoder_replay import plan_prefix_hit
+
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 8
-    max_num_batched_tokens: int = 512
-    max_model_len: int = 4096
-    long_prefill_token_threshold: int = 0  # per-request cap on prefill tokens per step; 0 = off
-    max_queued_requests: int = 4096  # waiting requests beyond this are refused (HTTP 503)
-    policy: str = "fcfs"  # "fcfs" | "priority" (lower value first, then arrival)
-    swa_bounded_replay: bool = True
-    enable_prefix_caching: bool = True
+    """How the scheduler chooses; what it fills - slots, token budget, model length - is the runtime's
+    (`RuntimeConfig`), which the scheduler is given too. Each field is also a server flag."""
+
+    long_prefill_token_threshold: int = field(default=0, metadata={
+        "help": "cap on one request's prefill tokens per step while others run or wait (0: off)"})
+    max_queued_requests: int = field(default=4096, metadata={
+        "help": "waiting requests beyond this are refused (HTTP 503)"})
+    scheduling_policy: str = field(default="fcfs", metadata={
+        "choices": SCHEDULING_POLICIES, "help": "fcfs, or priority (a request's lower priority value first, then "
+                                                "arrival; preemption takes the highest value)"})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "help": "reuse the KV of cached full-block prompt prefixes"})
+    dp_routing_policy: str = field(default="sticky", metadata={
+        "choices": ROUTING_POLICIES, "help": "data-parallel ranks: keep a session (X-Session-ID, else its prompt's "
+                                             "first tokens) on the rank holding its prefix cache unless saturated "
+                                             "(sticky), or always the least-loaded rank (load)"})
+    dp_max_inflight: int | None = field(default=None, metadata={
+        "help": "requests in flight (running or waiting) that saturate a data-parallel rank for sticky routing "
+                "(default: 2 x max-num-seqs)"})
 
     def __post_init__(self):
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        for name, allowed in (("scheduling_policy", SCHEDULING_POLICIES), ("dp_routing_policy", ROUTING_POLICIES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        if self.dp_max_inflight is not None and self.dp_max_inflight < 1:
+            raise ValueError(f"dp_max_inflight must be >= 1, got {self.dp_max_inflight}")
 
 
 @dataclass(frozen=True)
 class Scheduled:
-    """One request's work in a step: positions [start, end); `sample` when end reaches its last token."""
+    """One request's work in a step: positions [start, end); `sample` when end reaches its last token (fixed when
+    scheduled: `postprocess` appends the sampled token afterwards)."""
 
     request: Request
     start: int
     end: int
+    sample: bool = field(init=False)
 
-    @property
-    def sample(self) -> bool:
-        return self.end == self.request.num_tokens
+    def __post_init__(self):
+        object.__setattr__(self, "sample", self.end == self.request.num_tokens)
 
 
 class QueueFull(RuntimeError):
@@ -60,13 +81,15 @@ class QueueFull(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, model_config: ModelConfig, blocks: BlockManager):
-        self.cfg, self.model_config, self.blocks = cfg, model_config, blocks
+    def __init__(self, cfg: SchedulerConfig, rc: RuntimeConfig, model_config: ModelConfig, blocks: BlockManager):
+        """`rc`: the capacities the runtime was built for (slots, token budget, model length, replay mode)."""
+        self.cfg, self.rc, self.model_config, self.blocks = cfg, rc, model_config, blocks
+        self.by_priority = cfg.scheduling_policy == "priority"
         self.running: list[Request] = []  # admission order: preemption takes from the back
         self._waiting_fcfs: deque[Request] = deque()
         self._waiting_heap: list[tuple[int, float, int, Request]] = []
         self._tie = itertools.count()
-        self.free_slots = list(range(cfg.max_num_seqs))
+        self.free_slots = list(range(rc.max_num_seqs))
         self.num_preemptions = 0
 
     # ------------------------------------------------------------------ queue
@@ -78,20 +101,23 @@ class Scheduler:
         if not front and self.num_waiting >= self.cfg.max_queued_requests:
             raise QueueFull(f"the waiting queue is full ({self.cfg.max_queued_requests} requests)")
         req.status = Status.WAITING
-        if self.cfg.policy == "priority":
+        if self.by_priority:
             heapq.heappush(self._waiting_heap, (req.priority, req.arrival, next(self._tie), req))
         elif front:
             self._waiting_fcfs.appendleft(req)
         else:
             self._waiting_fcfs.append(req)
 
-    def _peek(self) -> Request | None:
-        if self.cfg.policy == "priority":
+    @property
+    def next_waiting(self) -> Request | None:
+        """The waiting request admission tries next (FCFS: the oldest, preempted ones first; priority: the
+        lowest value, then the earliest arrival), or None."""
+        if self.by_priority:
             return self._waiting_heap[0][3] if self._waiting_heap else None
         return self._waiting_fcfs[0] if self._waiting_fcfs else None
 
     def _pop(self) -> Request:
-        return heapq.heappop(self._waiting_heap)[3] if self.cfg.policy == "priority" else self._waiting_fcfs.popleft()
+        return heapq.heappop(self._waiting_heap)[3] if self.by_priority else self._waiting_fcfs.popleft()
 
     def remove(self, req: Request) -> None:
         """Take a request out wherever it is (abort or finish) and free its blocks and slot."""
@@ -99,7 +125,7 @@ class Scheduler:
             self.running.remove(req)
             self._release(req)
         elif req.status is Status.WAITING:
-            if self.cfg.policy == "priority":
+            if self.by_priority:
                 self._waiting_heap = [e for e in self._waiting_heap if e[3] is not req]
                 heapq.heapify(self._waiting_heap)
             elif req in self._waiting_fcfs:
@@ -113,7 +139,7 @@ class Scheduler:
 
     # --------------------------------------------------------------- schedule
     def schedule(self) -> list[Scheduled]:
-        budget = self.cfg.max_num_batched_tokens
+        budget = self.rc.max_num_batched_tokens
         out: list[Scheduled] = []
         preempted = False
         for req in list(self.running):
@@ -132,8 +158,8 @@ class Scheduler:
                 out.append(Scheduled(req, req.num_computed, req.num_computed + n))
                 budget -= n
         # vLLM admits nothing new in a step that had to preempt: the pool is known to be short.
-        while not preempted and budget > 0 and self.free_slots and self._peek() is not None:
-            req = self._peek()
+        while not preempted and budget > 0 and self.free_slots and self.next_waiting is not None:
+            req = self.next_waiting
             start = self._admit(req)
             if start is None:
                 break
@@ -157,7 +183,7 @@ class Scheduler:
         hit = PrefixHit(0, ())
         if self.cfg.enable_prefix_caching and not req.keeps_all_rows:
             hit = bm.lookup(req.token_ids[:-1], req.cache_key)  # at least one token is computed: its logits
-        plan = plan_prefix_hit(hit.num_tokens, self.model_config, self.cfg.swa_bounded_replay)
+        plan = plan_prefix_hit(hit.num_tokens, self.model_config, self.rc.swa_bounded_replay)
         if plan.hit_tokens < hit.num_tokens:
             hit = PrefixHit(plan.hit_tokens, hit.block_ids[: plan.hit_tokens // bm.block_size])
         bm.admit(req.request_id, req.token_ids, hit, req.cache_key)
@@ -174,7 +200,7 @@ class Scheduler:
     def _victim(self, exclude: list[Request]) -> Request:
         """The request to preempt: the last admitted (FCFS) or the lowest priority, latest arrival."""
         cands = [r for r in self.running if r not in exclude] or self.running
-        if self.cfg.policy == "priority":
+        if self.by_priority:
             return max(cands, key=lambda r: (r.priority, r.arrival))
         return cands[-1]
 
@@ -187,10 +213,23 @@ class Scheduler:
         self.add(req, front=True)
 
     # ----------------------------------------------------------------- update
-    def computed(self, s: Scheduled) -> None:
-        """The step wrote positions [start, end) of `s.request`: register its full blocks in the cache."""
-        s.request.num_computed = s.end
-        self.blocks.commit(s.request.request_id, s.request.token_ids, s.end)
-
-    def has_work(self) -> bool:
-        return bool(self.running) or self.num_waiting > 0
+    def postprocess(self, s: Scheduled, token: int | None) -> Finish | None:
+        """The step ran `s`: positions [start, end) are written (their full blocks are registered in the prefix
+        cache) and, when the chunk sampled, `token` is appended. Returns the finish the token decides, if any:
+        EOS (unless ignore_eos) or a stop token id once more than `min_tokens` are out, else the length limits
+        (`max_tokens`, `max_model_len`). Stop strings are text: the engine's output handling finds those."""
+        req = s.request
+        req.num_computed = s.end
+        self.blocks.commit(req.request_id, req.token_ids, s.end)
+        if not s.sample:
+            return None
+        req.token_ids.append(token)
+        p = req.params
+        if req.num_output > p.min_tokens:
+            if token in p.stop_token_ids:
+                return Finish("stop", token)
+            if token == req.eos_id and not p.ignore_eos:
+                return Finish("stop", None)
+        if (p.max_tokens is not None and req.num_output >= p.max_tokens) or req.num_tokens >= self.rc.max_model_len:
+            return Finish("length", None)
+        return None

@@ -18,6 +18,8 @@ bijection between hashes and hashed blocks). A block's hash is the chained diges
 ``blake2b(parent_hash + tokens_as_le_int64)``, so two blocks with identical contents but different
 prefixes never collide. Only FULL blocks whose KV has been written (``commit``) get a hash; a
 hash is dropped only when its block is evicted or by ``reset_prefix_cache``.
+
+``snapshot()`` copies all of this into a frozen ``PoolSnapshot`` for inspection.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ import hashlib
 import sys
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 _ROOT_TAG = b"dsv41/paged-kv/prefix-root/v1"
 
@@ -71,6 +74,20 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
+@dataclass(frozen=True)
+class PoolSnapshot:
+    """A copy of the pool's state at one moment, for inspection (tests, debugging); changing the pool later
+    does not change it. Two snapshots are equal when the pool was in the same state."""
+
+    ref_counts: tuple[int, ...]  # per block: live block tables holding it
+    block_hashes: tuple[bytes | None, ...]  # per block: its chain hash, None if unhashed
+    free: tuple[int, ...]  # unreferenced, never-hashed blocks, next handed out first
+    evictable: tuple[int, ...]  # unreferenced hashed blocks, next evicted first
+    cached: Mapping[bytes, int]  # hash -> block (the inverse of block_hashes)
+    tables: Mapping[Hashable, tuple[int, ...]]  # per live request: its block table
+    committed: Mapping[Hashable, int]  # per live request: full blocks registered in the cache so far
+
+
 class BlockManager:
     """Ref-counted paged block pool with an LRU prefix cache. See the module docstring."""
 
@@ -104,6 +121,13 @@ class BlockManager:
 
     def block_table(self, req_id: Hashable) -> list[int]:
         return list(self._table(req_id))
+
+    def snapshot(self) -> PoolSnapshot:
+        """The whole pool's state, copied (O(num_blocks)): for tests and debugging, not the hot path."""
+        return PoolSnapshot(tuple(self._ref), tuple(self._hash), tuple(self._free), tuple(self._evictable),
+                            MappingProxyType(dict(self._cached)),
+                            MappingProxyType({r: tuple(t) for r, t in self._tables.items()}),
+                            MappingProxyType(dict(self._num_committed)))
 
     def lookup(self, token_ids: Sequence[int], extra_key: bytes = b"") -> PrefixHit:
         """Longest cached prefix of full blocks. Takes no references; a miss if caching is off."""

@@ -1,32 +1,55 @@
 """What the runtime is built for: capacities (which fix the compiled shapes), the KV-cache format, the
 replay mode and the fused-op implementation. `max_num_seqs`, `max_num_batched_tokens` and the KV memory
-are per data-parallel rank (as vLLM's DP)."""
+are per data-parallel rank (as vLLM's DP). The scheduler reads the capacities from here too.
+
+Each field is also a server flag (`serving.engine.args`: the name, `help` and `choices` make the flag)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from pallas_kernels import IMPLS
+from serving.runtime.kv_cache import FORMATS
 
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    max_num_seqs: int = 8  # per data-parallel rank
-    max_num_batched_tokens: int = 512  # per data-parallel rank
-    max_model_len: int = 4096
-    block_size: int = 64
-    kv_cache_dtype: str = "auto"  # "auto": compute dtype (exact); "release": FP8 / NVFP4 / MXFP4 records
-    kv_cache_memory: int | None = None  # bytes per rank; default: max_num_seqs requests of max_model_len
-    swa_bounded_replay: bool = True
-    tile: int = 8
-    fake_quant: bool = False
-    max_top_k: int = 256  # sampler candidate set
-    seed: int = 0
-    token_buckets: tuple[int, ...] | None = None  # default: `token_ladder` up to max_num_batched_tokens
-    kernel_impl: str = "auto"  # fused-op implementation (pallas_kernels): auto = pallas on GPU, xla on CPU
+    max_num_seqs: int = field(default=32, metadata={"help": "running requests (KV slots) per data-parallel rank"})
+    max_num_batched_tokens: int = field(default=512, metadata={"help": "tokens per step per data-parallel rank"})
+    max_model_len: int = field(default=4096, metadata={"help": "longest sequence, prompt + output, in tokens"})
+    block_size: int = field(default=64, metadata={"help": "tokens per KV-cache block (the prefix-cache unit)"})
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "choices": FORMATS, "help": "auto: the compute dtype (exact); release: FP8 SWA / NVFP4 global / MXFP4 "
+                                    "indexer records"})
+    kv_cache_memory: int | None = field(default=None, metadata={
+        "help": "bytes for the KV cache per data-parallel rank (default: max-num-seqs requests of max-model-len)"})
+    swa_bounded_replay: bool = field(default=True, metadata={
+        "help": "after a prefix hit, replay only the last window (vLLM's mode; not bit-identical to a cold run); "
+                "off: recompute the exact halo"})
+    tile: int = field(default=8, metadata={"help": "query tokens per attention tile (one request's rows)"})
+    fake_quant: bool = field(default=False, metadata={
+        "help": "apply the reference's FP8 / FP4 activation fake-quant (as the release inference code)"})
+    max_top_k: int = field(default=256, metadata={
+        "help": "sampler candidates per row: top-k / top-p / min-p act on this many largest logits"})
+    seed: int = field(default=0, metadata={
+        "help": "seed of the engine's sampling (requests without a seed draw one from it) and of a preset's "
+                "random weights"})
+    token_buckets: tuple[int, ...] | None = field(default=None, metadata={
+        "help": "step sizes to compile, comma-separated (default: powers of two, then window multiples "
+                "1-2-3-4-6-8... up to max-num-batched-tokens)"})
+    kernel_impl: str = field(default="auto", metadata={
+        "choices": IMPLS, "help": "fused-op implementation (pallas_kernels): auto = pallas on a GPU, xla "
+                                  "elsewhere; xla or reference is the fallback if a Pallas kernel misbehaves"})
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "tile", "max_top_k"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        for name, allowed in (("kv_cache_dtype", FORMATS), ("kernel_impl", IMPLS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.token_buckets is not None and (not self.token_buckets or min(self.token_buckets) < 1
                                                or max(self.token_buckets) < self.max_num_batched_tokens):
             raise ValueError(f"token_buckets {self.token_buckets} must be positive and reach "

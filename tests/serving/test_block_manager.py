@@ -3,7 +3,6 @@ and a seeded randomized stress test that checks every invariant after every oper
 
 from __future__ import annotations
 
-import copy
 import random
 from collections import Counter
 from collections.abc import Sequence
@@ -22,10 +21,6 @@ def prefill(bm: BlockManager, req_id: object, tokens: Sequence[int], extra_key: 
     assert bm.allocate(req_id, len(tokens))
     bm.commit(req_id, tokens, len(tokens))
     return hit
-
-
-def snapshot(bm: BlockManager) -> dict:
-    return copy.deepcopy(vars(bm))
 
 
 # ---- 1. basics --------------------------------------------------------------------------------
@@ -112,7 +107,8 @@ def test_caching_disabled_never_hits():
     assert bm.lookup(tokens) == PrefixHit(0, ())
     for rid in range(3):
         bm.free(rid)
-    assert bm.lookup(tokens).num_tokens == 0 and len(bm._free) == 16 and not bm._evictable
+    snap = bm.snapshot()
+    assert bm.lookup(tokens).num_tokens == 0 and len(snap.free) == 16 and not snap.evictable
 
 
 def test_duplicate_contents_keep_existing_mapping():
@@ -124,9 +120,10 @@ def test_duplicate_contents_keep_existing_mapping():
     bm.commit("a", tokens, 8)
     bm.commit("b", tokens, 8)
     assert bm.lookup(tokens).block_ids == tuple(bm.block_table("a"))
-    assert all(bm._hash[b] is None for b in bm.block_table("b")) and len(bm._cached) == 2
+    snap = bm.snapshot()
+    assert all(snap.block_hashes[b] is None for b in bm.block_table("b")) and len(snap.cached) == 2
     bm.free("b")  # unhashed blocks go straight back to the free pool
-    assert not bm._evictable and bm.num_free_blocks == 14
+    assert not bm.snapshot().evictable and bm.num_free_blocks == 14
 
 
 def test_stale_hit_is_rejected():
@@ -140,7 +137,7 @@ def test_stale_hit_is_rejected():
     assert bm.allocate("b", 8)  # evicts the cached block
     with pytest.raises(ValueError, match="stale"):
         bm.admit("c", tokens, hit)
-    assert "c" not in bm._tables
+    assert "c" not in bm.snapshot().tables
 
 
 def test_reset_prefix_cache():
@@ -150,7 +147,7 @@ def test_reset_prefix_cache():
     bm.free("a")
     assert bm.lookup(list(range(8))).num_tokens == 8
     assert bm.reset_prefix_cache()
-    assert bm.lookup(list(range(8))).num_tokens == 0 and bm.num_free_blocks == 8 and not bm._cached
+    assert bm.lookup(list(range(8))).num_tokens == 0 and bm.num_free_blocks == 8 and not bm.snapshot().cached
 
 
 # ---- 2. sharing and LRU eviction ---------------------------------------------------------------
@@ -162,16 +159,16 @@ def test_sharing_prefix_blocks():
     assert hit.num_tokens == 8
     a, b = bm.block_table("a"), bm.block_table("b")
     assert a[:2] == b[:2] and a[2] != b[2]
-    assert [bm._ref[x] for x in a[:2]] == [2, 2]
+    assert [bm.snapshot().ref_counts[x] for x in a[:2]] == [2, 2]
     assert bm.num_free_blocks == 16 - 4
     bm.free("a")
-    assert [bm._ref[x] for x in b] == [1, 1, 1] and bm.num_free_blocks == 16 - 3
+    assert [bm.snapshot().ref_counts[x] for x in b] == [1, 1, 1] and bm.num_free_blocks == 16 - 3
     assert bm.lookup(prefix).block_ids == tuple(b[:2])
     bm.free("b")
     assert bm.num_free_blocks == 16 and bm.lookup(prefix).block_ids == tuple(b[:2])
     # A hit on evictable blocks revives them: they leave the evictable set.
     prefill(bm, "c", prefix)
-    assert bm.block_table("c") == b[:2] and not set(b[:2]) & set(bm._evictable)
+    assert bm.block_table("c") == b[:2] and not set(b[:2]) & set(bm.snapshot().evictable)
     assert bm.num_free_blocks == 14
 
 
@@ -196,7 +193,7 @@ def test_lru_eviction_order():
     for i, (want_block, (hp, hq)) in enumerate(zip(expected, hits_after)):
         assert bm.allocate("r", 6 + 2 * i)
         assert bm.block_table("r")[-1] == want_block
-        assert bm._hash[want_block] is None
+        assert bm.snapshot().block_hashes[want_block] is None
         assert (bm.lookup(p).num_tokens, bm.lookup(q).num_tokens) == (hp, hq)
     assert bm.num_free_blocks == 0 and not bm.allocate("r", 13)
 
@@ -210,10 +207,10 @@ def test_failed_allocate_changes_nothing():
     bm.admit("c", [1, 2, 3])
     assert bm.allocate("c", 4)
     assert bm.num_free_blocks == 4
-    before = snapshot(bm)
+    before = bm.snapshot()
     assert not bm.allocate("c", 4 + 5 * BS)
     assert not bm.allocate("c", 4 + 4 * BS + 1)
-    assert snapshot(bm) == before
+    assert bm.snapshot() == before
     assert bm.allocate("c", 4 + 4 * BS) and bm.num_free_blocks == 0
 
 
@@ -237,35 +234,35 @@ class _Req:
 
 def _check(bm: BlockManager, live: dict[int, _Req], kv: dict[tuple[int, int], int],
            origin: dict[int, tuple[bytes, tuple[int, ...]]]) -> None:
-    nb, bs = bm.num_blocks, bm.block_size
-    assert set(bm._tables) == set(live)
-    counts = Counter(b for t in bm._tables.values() for b in t)
-    for rid, table in bm._tables.items():
-        assert bm.block_table(rid) == table and len(set(table)) == len(table)
+    nb, bs, snap = bm.num_blocks, bm.block_size, bm.snapshot()
+    assert set(snap.tables) == set(live)
+    counts = Counter(b for t in snap.tables.values() for b in t)
+    for rid, table in snap.tables.items():
+        assert tuple(bm.block_table(rid)) == table and len(set(table)) == len(table)
         assert len(table) * bs >= live[rid].computed
-    assert all(bm._ref[b] == counts[b] for b in range(nb))
-    free, evictable = list(bm._free), list(bm._evictable)
-    referenced = {b for b in range(nb) if bm._ref[b] > 0}
+    assert all(snap.ref_counts[b] == counts[b] for b in range(nb))
+    free, evictable = list(snap.free), list(snap.evictable)
+    referenced = {b for b in range(nb) if snap.ref_counts[b] > 0}
     assert len(set(free)) == len(free) and not set(free) & set(evictable)
     assert not (set(free) | set(evictable)) & referenced
     assert len(free) + len(evictable) + len(referenced) == nb
     assert bm.num_free_blocks == len(free) + len(evictable) == nb - len(referenced)
     assert bm.usage == pytest.approx(len(referenced) / nb)
-    assert all(bm._hash[b] is None for b in free) and all(bm._hash[b] is not None for b in evictable)
-    hashed = {b: h for b, h in enumerate(bm._hash) if h is not None}
-    assert {h: b for b, h in hashed.items()} == bm._cached and len(hashed) == len(bm._cached)
+    assert all(snap.block_hashes[b] is None for b in free) and all(snap.block_hashes[b] is not None for b in evictable)
+    hashed = {b: h for b, h in enumerate(snap.block_hashes) if h is not None}
+    assert {h: b for b, h in hashed.items()} == snap.cached and len(hashed) == len(snap.cached)
     if not bm.enable_prefix_caching:
         assert not hashed
     # Every stored hash is the chain hash of the tokens of the request that committed the block.
     for b in list(origin):
-        if bm._hash[b] is None:
+        if snap.block_hashes[b] is None:
             del origin[b]
     assert set(origin) == set(hashed)
     for b, (key, toks) in origin.items():
-        assert bm._hash[b] == chain_hashes(toks, bs, key)[-1]
+        assert snap.block_hashes[b] == chain_hashes(toks, bs, key)[-1]
     # Simulated device: every live request reads back the KV of its own prefix.
     for rid, r in live.items():
-        table = bm._tables[rid]
+        table = snap.tables[rid]
         for p in range(r.computed):
             assert kv[table[p // bs], p % bs] == r.pid[p], (rid, p)
 
@@ -283,15 +280,17 @@ def test_randomized_stress(seed: int, caching: bool):
     n_hit_admits = 0
 
     def compute(rid: int, target: int) -> None:
-        r, table = live[rid], bm._tables[rid]
+        r, table = live[rid], bm.block_table(rid)
         for p in range(r.computed, target):
             kv[table[p // BS], p % BS] = r.pid[p]
         r.computed = target
-        for b in [b for b in origin if bm._hash[b] is None]:  # evicted by the allocate just before
+        hashes = bm.snapshot().block_hashes
+        for b in [b for b in origin if hashes[b] is None]:  # evicted by the allocate just before
             del origin[b]
         bm.commit(rid, r.tokens, target)
+        hashes = bm.snapshot().block_hashes
         for i, b in enumerate(table[:target // BS]):
-            if bm._hash[b] is not None and b not in origin:
+            if hashes[b] is not None and b not in origin:
                 origin[b] = (r.key, tuple(r.tokens[:(i + 1) * BS]))
 
     for _ in range(3000):
@@ -313,30 +312,30 @@ def test_randomized_stress(seed: int, caching: bool):
                 bm.admit(rid, tokens, hit, key)
                 live[rid] = _Req(tokens, key, hit.num_tokens if hit else 0)
             elif x < 0.62:
-                in_use = any(bm._tables.values())  # live requests with empty tables hold nothing
+                in_use = any(bm.snapshot().tables.values())  # live requests with empty tables hold nothing
                 assert bm.reset_prefix_cache() is (not in_use)
         elif x < 0.55:  # a prefill chunk, or one decode step once the prompt is done
             r = live[rid]
             if r.computed == len(r.tokens):
                 r.append(rng.randrange(vocab))
             target = min(len(r.tokens), r.computed + rng.randrange(1, 3 * BS))
-            need = -(-target // BS) - len(bm._tables[rid])
+            need = -(-target // BS) - len(bm.block_table(rid))
             fits = need <= bm.num_free_blocks
-            before = None if fits else snapshot(bm)
+            before = None if fits else bm.snapshot()
             ok = bm.allocate(rid, target)
             assert ok is fits
             if ok:
                 compute(rid, target)
             else:
-                assert snapshot(bm) == before
+                assert bm.snapshot() == before
         elif x < 0.6:  # a no-op allocate and an idempotent commit
             r = live[rid]
             table_before = bm.block_table(rid)
             assert bm.allocate(rid, rng.randrange(len(table_before) * BS + 1))
             assert bm.block_table(rid) == table_before
-            before = snapshot(bm)
+            before = bm.snapshot()
             bm.commit(rid, r.tokens, r.computed)
-            assert snapshot(bm) == before
+            assert bm.snapshot() == before
         elif x < 0.8:
             bm.free(rid)
             del live[rid]
@@ -345,8 +344,9 @@ def test_randomized_stress(seed: int, caching: bool):
             r = live[other]
             hit = bm.lookup(r.tokens, r.key)
             lead = 0  # the request's own leading committed blocks that carry a hash must all hit
-            for b in bm._tables[other][:r.computed // BS]:
-                if bm._hash[b] is None:
+            hashes = bm.snapshot().block_hashes
+            for b in bm.block_table(other)[:r.computed // BS]:
+                if hashes[b] is None:
                     break
                 lead += 1
             assert hit.num_tokens >= lead * BS

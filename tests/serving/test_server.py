@@ -16,8 +16,8 @@ import httpx
 import openai
 import pytest
 
-from serving.api.encoding import encode_messages_to_ids
-from serving.api.tokenizer import byte_level_tokenizer
+from serving.text.encoding import encode_messages_to_ids
+from serving.text.tokenizer import byte_level_tokenizer
 from tests.conftest import XLA_CACHE
 
 KEY = "test-key"

@@ -28,13 +28,11 @@ def main() -> None:
     import jax
 
     import dsv41
-    from serving.engine.engine import Engine, EngineArgs
+    from serving.engine.args import EngineArgs
+    from serving.engine.engine import Engine
     from serving.runtime.kv_cache import smallest_block_size
     from serving.runtime.runner import enable_compilation_cache
     from serving.runtime.sampling_params import SamplingParams
-    from sharding.mesh import ParallelConfig
-    from sharding.model import ShardedModel
-    from sharding.runtime import MeshPlacement
 
     if jax.device_count() < 8:
         raise SystemExit(f"needs 8 devices, got {jax.device_count()} (XLA_FLAGS not applied?)")
@@ -42,8 +40,8 @@ def main() -> None:
     model = dsv41.random_model("tiny", seed=1)
     c = model.config
     block = smallest_block_size(c)
-    base = EngineArgs(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, block_size=block,
-                      token_buckets=(16,), swa_bounded_replay=False)
+    base = EngineArgs.of(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, block_size=block,
+                         token_buckets=(16,), swa_bounded_replay=False)
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(3, c.vocab_size - 1, n)] for n in PROMPTS]
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -53,10 +51,9 @@ def main() -> None:
     turn2 = [p + out + [int(t) for t in rng.integers(3, c.vocab_size - 1, 5)] for p, out in zip(prompts, ref["tokens"])]
     ref2 = _serve(ref_engine, turn2, greedy, turn=2)
 
-    sm = ShardedModel(model, ParallelConfig(1, 8, True))
-    args = EngineArgs(**{**base.__dict__, "eplb": True, "eplb_window_size": WINDOW, "eplb_step_interval": INTERVAL,
-                         "eplb_num_redundant_experts": c.n_routed_experts})
-    eng = Engine(sm, None, args, progress=False, placement=MeshPlacement(sm.mesh))
+    args = base.replace(data_parallel_size=8, enable_expert_parallel=True, enable_eplb=True, eplb_window_size=WINDOW,
+                        eplb_step_interval=INTERVAL, eplb_num_redundant_experts=c.n_routed_experts)
+    eng = Engine(model, None, args, progress=False)  # DEP8: the engine shards the model on the 8 devices
     compiled_before = sorted(map(str, eng.runner.compiled_keys))
     placements = [eng.eplb.state.placement.phys_to_log.tolist()]
     rearranged_at = []
@@ -81,7 +78,7 @@ def main() -> None:
                       "before_after": [eng.eplb.state.last_balancedness_before,
                                        eng.eplb.state.last_balancedness_after],
                       "compiled_before": compiled_before, "compiled_after": sorted(map(str, eng.runner.compiled_keys)),
-                      "runner_runs_model_leaves": all(a is b for a, b in zip(eng.runner.param_leaves, sm.leaves())),
+                      "runner_runs_model_leaves": all(a is b for a, b in zip(eng.runner.param_leaves, eng.model.leaves())),
                       "metrics": metrics}))
 
 

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import dsv41
-from serving.engine.engine import Engine, EngineArgs
+from serving.engine.args import EngineArgs
+from serving.engine.engine import Engine
 from tests.conftest import XLA_CACHE
 from tests.sharding.dep_engine_worker import INTERVAL
 
@@ -74,19 +75,25 @@ def test_metrics_rendered(served):
 
 
 def test_eplb_without_expert_parallel_is_refused():
-    with pytest.raises(ValueError, match="eplb needs expert parallelism"):
-        Engine(dsv41.random_model("tiny", seed=1), None, EngineArgs(eplb=True), progress=False)
-    with pytest.raises(ValueError, match="step_interval"):
-        EngineArgs(eplb=True, eplb_step_interval=0)
+    with pytest.raises(ValueError, match="enable_eplb needs enable_expert_parallel"):
+        EngineArgs.of(enable_eplb=True)
+    with pytest.raises(ValueError, match="eplb needs expert parallelism"):  # on, but over one device: nothing to do
+        Engine(dsv41.random_model("tiny", seed=1), None, EngineArgs.of(enable_eplb=True, enable_expert_parallel=True),
+               progress=False)
+    with pytest.raises(ValueError, match="eplb_step_interval must be >= 1"):
+        EngineArgs.of(enable_eplb=True, eplb_step_interval=0)
 
 
-def test_server_flags():
-    from serving.api.cli import main, parser
+def test_server_flags(capsys):
+    from serving.server import main, parse_args
 
-    a = parser().parse_args(["--enable-expert-parallel", "-dp", "8", "--enable-eplb", "--eplb-window-size", "10",
-                             "--eplb-step-interval", "20", "--eplb-num-redundant-experts", "8"])
+    a = parse_args(["--enable-expert-parallel", "-dp", "8", "--enable-eplb", "--eplb-window-size", "10",
+                    "--eplb-step-interval", "20", "--eplb-num-redundant-experts", "8"]).engine.eplb
     assert (a.enable_eplb, a.eplb_window_size, a.eplb_step_interval, a.eplb_num_redundant_experts) == (True, 10, 20, 8)
-    with pytest.raises(SystemExit, match="--enable-eplb needs --enable-expert-parallel"):
-        main(["--enable-eplb", "--compilation-cache-dir", ""])
-    with pytest.raises(SystemExit, match="step_interval must be >= 1"):
-        main(["--enable-eplb", "--enable-expert-parallel", "--eplb-step-interval", "0", "--compilation-cache-dir", ""])
+    for argv, message in ((["--enable-eplb"], "argument --enable-eplb, --enable-expert-parallel: enable_eplb needs "
+                                              "enable_expert_parallel"),
+                          (["--enable-eplb", "--enable-expert-parallel", "--eplb-step-interval", "0"],
+                           "argument --eplb-step-interval: eplb_step_interval must be >= 1")):
+        with pytest.raises(SystemExit) as exit_:
+            main([*argv, "--compilation-cache-dir", ""])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err

@@ -8,6 +8,7 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 
 from dsv41.api import abstract_params
 from dsv41.config import load_config
+from serving.engine.args import add_flags, from_flags
 from sharding import rules
 from sharding.mesh import MESH_AXES, ParallelConfig, ParallelConfigError
 
@@ -34,8 +35,8 @@ def test_factors(tp, dp, ep, factors):
 
 def test_flags_round_trip():
     ap = argparse.ArgumentParser()
-    ParallelConfig.add_arguments(ap)
-    pc = ParallelConfig.from_args(ap.parse_args(["--data-parallel-size", "8", "--enable-expert-parallel"]))
+    add_flags(ap, ParallelConfig, "parallelism")
+    pc = from_flags(ParallelConfig, ap.parse_args(["--data-parallel-size", "8", "--enable-expert-parallel"]))
     assert (pc.world_size, pc.ep, pc.layout) == (8, 8, "dep")
 
 
@@ -44,6 +45,7 @@ def test_flags_round_trip():
     (dict(data_parallel_size=4, tensor_parallel_size=2, enable_expert_parallel=True, expert_parallel_size=3),
      "expert_parallel_size"),
     (dict(expert_parallel_size=2), "enable_expert_parallel"),
+    (dict(num_cpu_devices=0), "num_cpu_devices"),
     (dict(data_parallel_size=4, tensor_parallel_size=3, enable_expert_parallel=True, expert_parallel_size=6),
      "expert_parallel_size"),
 ])

@@ -8,9 +8,9 @@ import json
 import pytest
 
 from serving.api.chat import Context, chat_completion
-from serving.api.encoding import dsml_tool_calls
+from serving.text.encoding import dsml_tool_calls
 from serving.api.protocol import ChatCompletionRequest
-from serving.api.tokenizer import byte_level_tokenizer
+from serving.text.tokenizer import byte_level_tokenizer
 from serving.engine.request import RequestOutput
 
 TOK = byte_level_tokenizer(512)

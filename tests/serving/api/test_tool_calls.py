@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from serving.api.encoding import dsml_tool_calls
+from serving.text.encoding import dsml_tool_calls
 from serving.api.reasoning import ReasoningParser, parse_reasoning
 from serving.api.tool_calls import ToolCall, ToolCallParser, parse_tool_calls, read_invoke
 from tests.serving.api.splits import chunkings
@@ -183,8 +183,8 @@ def test_read_invoke_rejects_unreadable():
     "good_and_bad_invokes")], ids=lambda c: c[0])
 def test_token_stream_through_detokenizer(case):
     """Generated ids -> detokenizer (one token per step) -> reasoning parser -> tool-call parser."""
-    from serving.api.detokenizer import IncrementalDetokenizer
-    from serving.api.tokenizer import byte_level_tokenizer
+    from serving.text.detokenizer import IncrementalDetokenizer
+    from serving.text.tokenizer import byte_level_tokenizer
 
     name, thinking, tools, text, reasoning, content, calls = case
     tok = byte_level_tokenizer()

@@ -41,7 +41,7 @@ def test_peer_size_matches_the_peer_v4():
 
 
 def test_byte_level_tokenizer_is_written_when_available(tmp_path):
-    tok = pytest.importorskip("serving.api.tokenizer", reason="serving.api.tokenizer is not in this checkout")
+    tok = pytest.importorskip("serving.text.tokenizer", reason="serving.text.tokenizer is not in this checkout")
     assert make_checkpoints.write_tokenizer(tmp_path, 512)
     loaded = tok.Tokenizer.from_dir(tmp_path)
     # the chat workload's letters are one token each

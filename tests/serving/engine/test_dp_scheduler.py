@@ -4,14 +4,15 @@ pool; the router keeps a session on its rank (sticky) or spreads by load; a refu
 import pytest
 
 from serving.engine.dp_scheduler import DataParallelScheduler
-from serving.engine.scheduler import QueueFull, SchedulerConfig
+from serving.engine.args import EngineArgs
+from serving.engine.scheduler import QueueFull
 from tests.serving.engine.test_scheduler import BS, CFG, _finish_step, _req
 
 
 def _dp(ranks=3, policy="sticky", max_inflight=None, **kw):
-    cfg = SchedulerConfig(**{"max_num_seqs": 2, "max_num_batched_tokens": 16, **kw})
-    return DataParallelScheduler(cfg, CFG, num_blocks=8, block_size=BS, ranks=ranks, routing_policy=policy,
-                                 max_inflight=max_inflight)
+    a = EngineArgs.of(**{"max_num_seqs": 2, "max_num_batched_tokens": 16, "dp_routing_policy": policy,
+                         "dp_max_inflight": max_inflight, **kw})
+    return DataParallelScheduler(a.scheduler, a.runtime, CFG, num_blocks=8, block_size=BS, ranks=ranks)
 
 
 def test_each_rank_has_its_own_budget_slots_and_blocks():

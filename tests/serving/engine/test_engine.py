@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import dsv41
-from serving.engine.engine import Engine, EngineArgs
+from serving.engine.args import EngineArgs
+from serving.engine.engine import Engine
 from serving.runtime.kv_cache import CacheLayout
 from serving.runtime.sampling_params import SamplingParams
 
@@ -26,10 +27,10 @@ def model():
 def args(model):
     """12 KV blocks of 8 tokens: two 44-token requests fit, three preempt."""
     probe = CacheLayout(model.config, 1, 8, 4, "auto", "float32")
-    return EngineArgs(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=96, block_size=8,
-                      swa_bounded_replay=False,
-                      kv_cache_memory=4 * probe.bytes_per_slot() + 12 * probe.bytes_per_block(),
-                      token_buckets=(8, 16, 32))
+    return EngineArgs.of(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=96, block_size=8,
+                         swa_bounded_replay=False,
+                         kv_cache_memory=4 * probe.bytes_per_slot() + 12 * probe.bytes_per_block(),
+                         token_buckets=(8, 16, 32))
 
 
 @pytest.fixture(scope="module")
@@ -116,12 +117,10 @@ def test_bad_requests_name_the_problem(engine):
 def test_offline_llm_matches_the_engine(engine, model, args):
     """`serving.LLM` over the same engine configuration: token-id and text prompts, n, and the greedy tokens
     the engine gives the same prompt."""
-    from dataclasses import asdict
-
     from serving import LLM
-    from serving.api.tokenizer import byte_level_tokenizer
+    from serving.text.tokenizer import byte_level_tokenizer
 
-    llm = LLM(model, tokenizer=byte_level_tokenizer(512), progress=False, **asdict(args))
+    llm = LLM(model, tokenizer=byte_level_tokenizer(512), progress=False, **args.flat())
     p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompt = _prompt(21)
     (direct,), _ = _serve(engine, [prompt], p)

@@ -1,28 +1,42 @@
-"""Finish decisions and streamed text (no model): stop strings never leak into a stream, whatever the token
-boundaries; EOS / stop token ids respect min_tokens and ignore_eos; length limits."""
+"""Finish decisions and streamed text (no model), split as in the engine: the scheduler appends each token
+and decides EOS / stop token id / length finishes, the output state turns tokens into text and finds stop
+strings. Stop strings never leak into a stream, whatever the token boundaries; EOS / stop token ids respect
+min_tokens and ignore_eos; length limits."""
 
 import random
 
 import pytest
 
-from serving.api.tokenizer import byte_level_tokenizer
+import dsv41
 from serving.engine.output import OutputState
-from serving.engine.request import Request
+from serving.engine.request import Finish, Request
+from serving.engine.scheduler import Scheduler, SchedulerConfig
+from serving.runtime.block_manager import BlockManager
+from serving.runtime.config import RuntimeConfig
 from serving.runtime.sampling_params import SamplingParams
+from serving.text.tokenizer import byte_level_tokenizer
 
 TOK = byte_level_tokenizer(512)
 
 
 def _run(text_ids, max_model_len=10_000, **params):
+    """Feed `text_ids` as the sampled tokens of one request, one decode step each, the way the engine does."""
     req = Request("r", [TOK.bos_id], SamplingParams(**{"temperature": 0, "max_tokens": 1000, **params}),
                   eos_id=TOK.eos_id)
-    st = OutputState(req, TOK, max_model_len)
+    rc = RuntimeConfig(max_num_seqs=1, max_num_batched_tokens=8, max_model_len=max_model_len)
+    sched = Scheduler(SchedulerConfig(), rc, dsv41.ModelConfig.preset("tiny"), BlockManager(64, 8))
+    sched.add(req)
+    st = OutputState(req, TOK)
     pieces = []
     for t in text_ids:
-        text, reason, stop_reason = st.append(t)
+        (step,) = sched.schedule()
+        finish = sched.postprocess(step, t)
+        text, stop_string = st.update(t, finish)
+        if stop_string is not None:
+            finish = Finish("stop", stop_string)
         pieces.append(text)
-        if reason:
-            return pieces, reason, stop_reason, req
+        if finish:
+            return pieces, finish.reason, finish.stop_reason, req
     return pieces, None, None, req
 
 

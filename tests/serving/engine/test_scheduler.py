@@ -7,7 +7,8 @@ import pytest
 
 import dsv41
 from serving.engine.request import Request, Status
-from serving.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
+from serving.engine.args import EngineArgs
+from serving.engine.scheduler import QueueFull, Scheduler
 from serving.runtime.block_manager import BlockManager
 from serving.runtime.sampling_params import SamplingParams
 
@@ -16,8 +17,8 @@ BS = 8
 
 
 def _sched(num_blocks=64, **kw):
-    cfg = SchedulerConfig(**{"max_num_seqs": 4, "max_num_batched_tokens": 32, **kw})
-    return Scheduler(cfg, CFG, BlockManager(num_blocks, BS, cfg.enable_prefix_caching))
+    a = EngineArgs.of(**{"max_num_seqs": 4, "max_num_batched_tokens": 32, **kw})
+    return Scheduler(a.scheduler, a.runtime, CFG, BlockManager(num_blocks, BS, a.scheduler.enable_prefix_caching))
 
 
 def _req(rid, n, seed=0, **kw):
@@ -26,11 +27,10 @@ def _req(rid, n, seed=0, **kw):
 
 
 def _finish_step(s, sched, token=7):
-    """What the engine does after a step: mark rows computed, append a token where the chunk samples."""
+    """What the engine does after a step: the scheduler registers the rows and appends a token where the chunk
+    samples."""
     for x in sched:
-        s.computed(x)
-        if x.sample:
-            x.request.token_ids.append(token)
+        s.postprocess(x, token if x.sample else None)
 
 
 def test_budget_chunking_and_decode_rows():
@@ -44,6 +44,7 @@ def test_budget_chunking_and_decode_rows():
     assert [(x.request.request_id, x.start, x.end, x.sample) for x in second] == [("a", 32, 50, True),
                                                                                   ("b", 0, 5, True)]
     _finish_step(s, second)
+    assert all(x.sample for x in second)  # fixed when scheduled: the token appended afterwards does not change it
     third = s.schedule()
     assert [(x.start, x.end) for x in third] == [(50, 51), (5, 6)]  # one decode row each
 
@@ -95,11 +96,11 @@ def test_preemption_frees_blocks_and_resumes_first():
         _finish_step(s, s.schedule())  # a grows past 32 -> needs a 5th block: b (the last) is preempted
     assert b.status is Status.WAITING and b.num_preemptions == 1 and s.num_preemptions == 1
     assert b.num_computed == 0 and b.slot is None and b.cached_tokens == 0
-    assert s._peek() is b  # resumes before anything newer
+    assert s.next_waiting is b  # resumes before anything newer
 
 
 def test_queue_limit_and_priority_order():
-    s = _sched(max_queued_requests=2, policy="priority")
+    s = _sched(max_queued_requests=2, scheduling_policy="priority")
     s.add(_req("late", 5, priority=5)), s.add(_req("urgent", 5, priority=-1))
     with pytest.raises(QueueFull):
         s.add(_req("x", 5))
@@ -133,7 +134,7 @@ def test_randomized_runs_keep_the_invariants():
         for r in s.running:
             for blk in s.blocks.block_table(r.request_id):
                 refs[blk] = refs.get(blk, 0) + 1
-        assert refs == {b: c for b, c in enumerate(s.blocks._ref) if c}
+        assert refs == {b: c for b, c in enumerate(s.blocks.snapshot().ref_counts) if c}
     for r in list(live):
         s.remove(r)
     assert s.blocks.num_free_blocks == 20 and sorted(s.free_slots) == [0, 1, 2, 3] and n > 40

@@ -1,7 +1,8 @@
 """Per-device memory and collective traffic of a layout.
 
-    python -m sharding.report --preset v41-flash --tensor-parallel-size 4
-    python -m sharding.report --preset v41-flash --data-parallel-size 8 --enable-expert-parallel
+    python -m serving.bench.sharding_report --preset v41-flash --tensor-parallel-size 4
+    python -m serving.bench.sharding_report --preset v41-flash --data-parallel-size 8 --enable-expert-parallel \\
+        --num-cpu-devices 8
 
 Parameter and KV bytes per device: the rules table applied to the preset's abstract parameter shapes
 (`nnx.eval_shape`, nothing allocated) and to the runtime's KV-cache layout (KV per cached token and per
@@ -27,7 +28,7 @@ from jax.sharding import AbstractMesh
 
 from dsv41.api import abstract_params
 from dsv41.config import load_config
-from serving.runtime.kv_cache import CacheLayout, smallest_block_size
+from serving.runtime.kv_cache import FORMATS, CacheLayout, smallest_block_size
 from sharding import rules
 from sharding.mesh import MESH_AXES, ParallelConfig
 
@@ -119,22 +120,28 @@ def hlo_report(preset: str, pc: ParallelConfig, *, prefill_tokens: int, decode_b
 
 
 def main() -> None:
+    from serving.engine.args import FlagError, add_flags, from_flags
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="v41-flash")
     ap.add_argument("--hlo-preset", default="small", help="config compiled for the collective counts")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--kv-cache-dtype", default="release", choices=("auto", "release"))
+    ap.add_argument("--kv-cache-dtype", default="release", choices=FORMATS)
     ap.add_argument("--prefill-tokens", type=int, default=64)
     ap.add_argument("--decode-batch", type=int, default=8)
     ap.add_argument("--no-hlo", action="store_true", help="only the memory part")
-    ParallelConfig.add_arguments(ap)
+    add_flags(ap, ParallelConfig, "parallelism")
     a = ap.parse_args()
-    pc = ParallelConfig.from_args(a)
+    try:
+        pc = from_flags(ParallelConfig, a)
+    except FlagError as e:
+        ap.error(str(e))
+    pc.use_cpu_devices()
     out = memory_report(a.preset, pc, dtype=a.dtype, kv_format=a.kv_cache_dtype)
     if not a.no_hlo:
         if jax.device_count() < pc.world_size:
-            raise SystemExit(f"{pc.world_size} devices needed for the HLO part; on CPU run with "
-                             f"XLA_FLAGS=--xla_force_host_platform_device_count={pc.world_size}")
+            raise SystemExit(f"{pc.world_size} devices needed for the HLO part; on CPU add "
+                             f"--num-cpu-devices {pc.world_size}")
         out.update(hlo_report(a.hlo_preset, pc, prefill_tokens=a.prefill_tokens, decode_batch=a.decode_batch))
     print(json.dumps(out, indent=1))
 

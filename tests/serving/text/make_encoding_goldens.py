@@ -6,7 +6,7 @@ that vLLM applies around it are done here by this script's own glue, with the V4
 scale (low/high/xhigh/max = 25/50/75/100, thinking on at 50 when unset), so efforts reach the
 reference encoder as integers.
 
-    python tests/serving/api/make_encoding_goldens.py VLLM_ROOT/vllm/tokenizers/deepseek_v41_encoding.py
+    python tests/serving/text/make_encoding_goldens.py VLLM_ROOT/vllm/tokenizers/deepseek_v41_encoding.py
 """
 
 from __future__ import annotations

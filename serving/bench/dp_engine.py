@@ -8,7 +8,7 @@ object: per policy the prefix-cache hit rate (cached / prompt tokens, as vLLM's 
 queries`), the share of sessions with >= 95% of turns on one rank, the router's moves off saturated ranks,
 output tokens per second and wall time.
 
-    python -m sharding.bench_dp_engine --num-cpu-devices 4 --data-parallel-size 4 --enable-expert-parallel \\
+    python -m serving.bench.dp_engine --num-cpu-devices 4 --data-parallel-size 4 --enable-expert-parallel \\
         --sessions 16 --turns 4 [--out dp_engine.json]
 """
 
@@ -20,19 +20,17 @@ import time
 
 import numpy as np
 
-from sharding.bench_router import emit, stickiness
+from serving.bench.dp_router import emit, stickiness
 
 
-def run(policy: str, sm, placement, a: argparse.Namespace) -> dict:
-    from serving.engine.engine import Engine, EngineArgs
+def run(model, args, a: argparse.Namespace) -> dict:
+    """One policy's run: `args` the engine's sections (the policy among them), `a` the workload."""
+    from serving.engine.engine import Engine
     from serving.runtime.sampling_params import SamplingParams
 
-    ea = EngineArgs(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                    max_model_len=a.max_model_len, block_size=a.block_size,
-                    token_buckets=(a.max_num_seqs, a.max_num_batched_tokens), dp_routing_policy=policy, seed=a.seed)
-    engine = Engine(sm, None, ea, progress=False, placement=placement)
-    rng = np.random.default_rng(a.seed)
-    vocab = sm.config.vocab_size
+    engine = Engine(model, None, args, progress=False)
+    rng = np.random.default_rng(args.runtime.seed)
+    vocab = model.config.vocab_size
 
     def tokens(lo, hi):
         return [int(t) for t in rng.integers(3, vocab - 1, int(rng.integers(lo, hi)))]
@@ -68,7 +66,7 @@ def run(policy: str, sm, placement, a: argparse.Namespace) -> dict:
                     history[s] = history[s] + out[o.request_id] + tokens(a.message_min, a.message_max)
                     submit(s)
     wall = time.perf_counter() - t0
-    return {"policy": policy, "prefix_hit_rate": cached_tokens / prompt_tokens, **stickiness(ranks.values()),
+    return {"policy": args.scheduler.dp_routing_policy, "prefix_hit_rate": cached_tokens / prompt_tokens, **stickiness(ranks.values()),
             "sticky_moves_when_saturated": engine.scheduler.router.moved, "prompt_tokens": prompt_tokens,
             "cached_tokens": cached_tokens, "output_tokens": generated, "output_tok_per_s": generated / wall,
             "wall_s": wall, "requests_per_rank": [sum(r.count(k) for r in ranks.values())
@@ -76,11 +74,10 @@ def run(policy: str, sm, placement, a: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    from sharding.mesh import ParallelConfig
+    from serving.engine.args import EngineArgs, FlagError
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="tiny")
-    ap.add_argument("--num-cpu-devices", type=int, default=None, help="split the CPU into this many devices")
     ap.add_argument("--sessions", type=int, default=16)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--prompt-min", type=int, default=64)
@@ -89,34 +86,30 @@ def main() -> None:
     ap.add_argument("--message-max", type=int, default=64)
     ap.add_argument("--answer-min", type=int, default=8)
     ap.add_argument("--answer-max", type=int, default=24)
-    ap.add_argument("--max-num-seqs", type=int, default=4, help="per rank")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=64, help="per rank")
-    ap.add_argument("--max-model-len", type=int, default=1024)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-session-header", action="store_true")
     ap.add_argument("--out", default=None, help="also write the JSON here")
-    ParallelConfig.add_arguments(ap)
+    # the engine's own flags (both routing policies run, so that one is not a flag here), small by default
+    EngineArgs.add_flags(ap, exclude=("dp_routing_policy",))
+    ap.set_defaults(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=1024, block_size=16)
     a = ap.parse_args()
-
-    import jax
-
-    if a.num_cpu_devices:
-        jax.config.update("jax_num_cpu_devices", a.num_cpu_devices)
+    try:
+        args = EngineArgs.from_flags(a)
+    except FlagError as e:
+        ap.error(str(e))
+    if args.runtime.token_buckets is None:  # decode rows and full prefill chunks: two compiled step sizes
+        args = args.replace(token_buckets=(args.runtime.max_num_seqs, args.runtime.max_num_batched_tokens))
+    args.parallel.use_cpu_devices()
     import dsv41
+    from serving.engine.dp_router import POLICIES
     from serving.runtime.runner import enable_compilation_cache
-    from sharding.dp_router import POLICIES
-    from sharding.model import ShardedModel
-    from sharding.runtime import MeshPlacement
 
     enable_compilation_cache(tempfile.mkdtemp(prefix="dp-engine-xla-"))  # the second engine loads the first's steps
-    sm = ShardedModel(dsv41.random_model(a.preset, seed=a.seed), ParallelConfig.from_args(a))
-    placement = MeshPlacement(sm.mesh)
-    res = {"layout": sm.parallel.describe(), "workload": {k: getattr(a, k) for k in (
+    model = dsv41.random_model(a.preset, seed=args.runtime.seed)
+    res = {"layout": args.parallel.describe(), "workload": {k: getattr(a, k) for k in (
         "sessions", "turns", "prompt_min", "prompt_max", "message_min", "message_max", "answer_min", "answer_max",
         "no_session_header")}}
     for policy in POLICIES:
-        res[policy] = run(policy, sm, placement, a)
+        res[policy] = run(model, args.replace(dp_routing_policy=policy), a)
     print(f"{res['layout']}; {a.sessions} sessions x {a.turns} turns")
     print(f"{'policy':<8} {'prefix hit':>10} {'sticky>=95%':>12} {'moves':>6} {'out tok/s':>10} {'wall s':>7}  per rank")
     for p in POLICIES:

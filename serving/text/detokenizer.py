@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import codecs
 
-from serving.api.tokenizer import Tokenizer
+from serving.text.tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:

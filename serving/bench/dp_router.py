@@ -4,7 +4,7 @@ Sessions arrive over time; each turn's prompt is the previous prompt + the previ
 message, so turn n shares its whole history with turn n-1. Each rank has an LRU prefix cache of block
 hashes; a request stays in flight for a number of ticks growing with its length. Prints one JSON object:
 
-    python -m sharding.bench_router --ranks 4 --sessions 64 --turns 8 [--out router.json]
+    python -m serving.bench.dp_router --ranks 4 --sessions 64 --turns 8 [--out router.json]
 """
 
 from __future__ import annotations
@@ -12,12 +12,38 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
-from collections import Counter
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-from sharding.dp_router import POLICIES, DPRouter, PrefixCacheSim, RouterConfig
+from serving.engine.dp_router import POLICIES, DPRouter, RouterConfig
+
+
+class PrefixCacheSim:
+    """A rank's prefix cache for the benchmark: an LRU of chained block hashes with a block capacity."""
+
+    def __init__(self, capacity_blocks: int, block_size: int):
+        self.capacity, self.block_size = capacity_blocks, block_size
+        self.blocks: OrderedDict[int, None] = OrderedDict()
+
+    def lookup_and_insert(self, ids: Sequence[int]) -> int:
+        """Tokens of `ids` whose blocks were cached (longest prefix); then caches all its full blocks."""
+        h, hit, hashes = 0, 0, []
+        for i in range(len(ids) // self.block_size):
+            h = hash((h, tuple(ids[i * self.block_size:(i + 1) * self.block_size])))
+            hashes.append(h)
+        for h in hashes:
+            if h not in self.blocks:
+                break
+            hit += self.block_size
+        for h in hashes:
+            self.blocks[h] = None
+            self.blocks.move_to_end(h)
+        while len(self.blocks) > self.capacity:
+            self.blocks.popitem(last=False)
+        return hit
 
 
 def simulate(policy: str, *, ranks: int, sessions: int, turns: int, seed: int = 0, block_size: int = 16,

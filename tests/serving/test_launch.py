@@ -12,17 +12,16 @@ from pathlib import Path
 import numpy as np
 
 import dsv41
-from tests.conftest import XLA_CACHE
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_two_processes_serve_requests_end_to_end():
     prompt_len, steps = 12, 3
-    cmd = [sys.executable, "-m", "sharding.launch", "--num-processes", "2", "--devices-per-process", "2",
+    cmd = [sys.executable, "-m", "serving.launch", "--num-processes", "2", "--devices-per-process", "2",
            "--data-parallel-size", "2", "--tensor-parallel-size", "2", "--enable-expert-parallel",
            "--preset", "tiny", "--seed", "0", "--prompt-len", str(prompt_len), "--decode-steps", str(steps),
-           "--num-requests", "2", "--compilation-cache-dir", str(XLA_CACHE), "--timeout", "400"]
+           "--num-requests", "2", "--timeout", "400"]  # no persistent XLA cache: see serving.launch's flag
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=450, env=dict(os.environ))
     errors = "\n".join(ln for ln in proc.stderr.splitlines() if not ln.startswith("[Gloo]"))
     assert proc.returncode == 0, errors[-4000:]

@@ -2,7 +2,7 @@
 
 `Tokenizer` wraps an HF `tokenizers.Tokenizer`. Special-token text inside a string maps to its id
 (`encode("<｜User｜>hi")` -> `[id(<｜User｜>), id(h), id(i)]`), which is how the V4.1 prompt text from
-`serving.api.encoding` becomes ids without a template engine.
+`serving.text.encoding` becomes ids without a template engine.
 
 `decode(ids, skip_special=True)` drops control tokens (BOS/EOS/pad/role/reserved) but never the
 reasoning and tool-call markers (`<think>`, `</think>`, `｜DSML｜`): the output parsers read those, and a

@@ -1,10 +1,8 @@
-"""DP routing: session affinity, prefix-hash keys, saturation fallback, the load policy, and the benchmark's
-comparison of prefix-hit rates."""
+"""DP routing: session affinity, prefix-hash keys, saturation fallback, the load policy."""
 
 import pytest
 
-from sharding.bench_router import simulate
-from sharding.dp_router import DPRouter, PrefixCacheSim, RouterConfig, routing_key
+from serving.engine.dp_router import DPRouter, RouterConfig, routing_key
 
 
 def test_session_header_then_prefix_hash():
@@ -29,20 +27,3 @@ def test_load_policy_is_least_loaded():
     assert sorted(ranks) == [0, 0, 1, 1, 2, 2]
     with pytest.raises(ValueError, match="policy"):
         RouterConfig(2, "random")
-
-
-def test_prefix_cache_sim_longest_prefix():
-    c = PrefixCacheSim(capacity_blocks=4, block_size=2)
-    assert c.lookup_and_insert([1, 2, 3, 4, 5]) == 0
-    assert c.lookup_and_insert([1, 2, 3, 4, 7, 8]) == 4
-    assert c.lookup_and_insert([1, 9, 3, 4]) == 0  # chained hashes: a changed first block misses all
-
-
-def test_benchmark_sticky_keeps_sessions_and_hits_more():
-    kw = dict(ranks=4, sessions=48, turns=6, seed=0)
-    sticky, load = simulate("sticky", **kw), simulate("load", **kw)
-    print(f"\nsticky {sticky}\nload   {load}")
-    assert sticky["sessions_with_95pct_turns_on_one_rank"] >= 0.95
-    assert sticky["prefix_hit_rate"] > load["prefix_hit_rate"]
-    by_prefix = simulate("sticky", use_session_header=False, **kw)
-    assert by_prefix["mean_session_stickiness"] >= 0.95

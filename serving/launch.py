@@ -1,7 +1,7 @@
 """Start N local processes on JAX's distributed runtime (CPU collectives over gloo, the coordinator on a
 free localhost port) and serve requests across them with a sharded layout.
 
-    python -m sharding.launch --num-processes 2 --devices-per-process 2 \\
+    python -m serving.launch --num-processes 2 --devices-per-process 2 \\
         --data-parallel-size 2 --tensor-parallel-size 2 --enable-expert-parallel --preset tiny
 
 Each process builds the same random model, places its shards of the parameters on its devices and runs the
@@ -36,13 +36,13 @@ def serve_requests(args: argparse.Namespace) -> dict:
     import numpy as np
 
     import dsv41
-    from serving.engine.engine import Engine, EngineArgs
+    from serving.engine.args import EngineArgs, from_flags
+    from serving.engine.engine import Engine
+    from serving.runtime.config import RuntimeConfig
     from serving.runtime.kv_cache import smallest_block_size
     from serving.runtime.runner import enable_compilation_cache
     from serving.runtime.sampling_params import SamplingParams
     from sharding.mesh import ParallelConfig
-    from sharding.model import ShardedModel
-    from sharding.runtime import MeshPlacement
 
     enable_compilation_cache(args.compilation_cache_dir)
     model = dsv41.random_model(args.preset, seed=args.seed)
@@ -50,14 +50,12 @@ def serve_requests(args: argparse.Namespace) -> dict:
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(3, c.vocab_size - 1, args.prompt_len).tolist() for _ in range(args.num_requests)]
     block = smallest_block_size(c)
-    ea = EngineArgs(max_num_seqs=max(1, args.num_requests), max_num_batched_tokens=args.prompt_len,
-                    max_model_len=-(-(args.prompt_len + args.decode_steps + 1) // block) * block, block_size=block,
-                    token_buckets=(args.prompt_len,), swa_bounded_replay=False)  # one compiled step size
-    placement = None
-    if jax.device_count() > 1:
-        model = ShardedModel(model, ParallelConfig.from_args(args))
-        placement = MeshPlacement(model.mesh)
-    engine = Engine(model, None, ea, progress=False, placement=placement)
+    runtime = RuntimeConfig(max_num_seqs=max(1, args.num_requests), max_num_batched_tokens=args.prompt_len,
+                            max_model_len=-(-(args.prompt_len + args.decode_steps + 1) // block) * block,
+                            block_size=block, token_buckets=(args.prompt_len,),  # one compiled step size
+                            swa_bounded_replay=False)
+    ea = EngineArgs(runtime=runtime, parallel=from_flags(ParallelConfig, args))
+    engine = Engine(model, None, ea, progress=False)
     greedy = SamplingParams(temperature=0, max_tokens=args.decode_steps, ignore_eos=True, logprobs=5)
     ranks = {}
     for i, p in enumerate(prompts):
@@ -90,7 +88,7 @@ def launch(args: argparse.Namespace, passthrough: list[str]) -> int:
     coordinator = f"127.0.0.1:{free_port()}"
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": f"--xla_force_host_platform_device_count={args.devices_per_process}"}
-    procs = [subprocess.Popen([sys.executable, "-m", "sharding.launch", "--worker", "--process-id", str(i),
+    procs = [subprocess.Popen([sys.executable, "-m", "serving.launch", "--worker", "--process-id", str(i),
                                "--num-processes", str(args.num_processes), "--coordinator", coordinator, *passthrough],
                               env=env, stdout=subprocess.PIPE if i == 0 else subprocess.DEVNULL, text=True)
              for i in range(args.num_processes)]
@@ -109,7 +107,9 @@ def launch(args: argparse.Namespace, passthrough: list[str]) -> int:
 
 
 def main() -> None:
+    from serving.engine.args import FlagError, add_flags, from_flags
     from sharding.mesh import ParallelConfig
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-processes", type=int, default=2)
     ap.add_argument("--devices-per-process", type=int, default=1)
@@ -119,12 +119,19 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=12)
     ap.add_argument("--decode-steps", type=int, default=3)
     ap.add_argument("--num-requests", type=int, default=2)
-    ap.add_argument("--compilation-cache-dir", default="", help="persistent XLA cache ('' = off)")
+    ap.add_argument("--compilation-cache-dir", default="",
+                    help="persistent XLA cache ('' = off, the default: on jax 0.12 steps loaded from a warm cache "
+                         "fail to set up the CPU collectives between the processes - Gloo context timeouts)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
-    ParallelConfig.add_arguments(ap)
+    # each process's devices are --devices-per-process, so the layout's --num-cpu-devices does not apply here
+    add_flags(ap, ParallelConfig, "parallelism", exclude=("num_cpu_devices",))
     args = ap.parse_args()
+    try:
+        from_flags(ParallelConfig, args)
+    except FlagError as e:
+        ap.error(str(e))
     if args.worker:
         _worker(args)
         return

@@ -1,7 +1,7 @@
 """The report's HLO collective parser and its memory arithmetic (abstract shapes, no devices)."""
 
 from sharding.mesh import ParallelConfig
-from sharding.report import collective_bytes, memory_report
+from serving.bench.sharding_report import collective_bytes, memory_report
 
 HLO = """
   %all-to-all = (f32[1,1,2,64]{3,2,1,0}, /*index=1*/f32[1,1,2,64]{3,2,1,0}) all-to-all(%a, %b), replica_groups={}

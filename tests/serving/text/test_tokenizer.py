@@ -1,4 +1,4 @@
-"""The built-in byte-level tokenizer and checkpoint-folder loading (serving/api/tokenizer.py)."""
+"""The built-in byte-level tokenizer and checkpoint-folder loading (serving/text/tokenizer.py)."""
 
 import json
 import random
@@ -6,7 +6,7 @@ import random
 import pytest
 
 from dsv41.layers.engram import build_compressed_token_map
-from serving.api.tokenizer import BYTE_LEVEL_SPECIALS, Tokenizer, byte_level_tokenizer
+from serving.text.tokenizer import BYTE_LEVEL_SPECIALS, Tokenizer, byte_level_tokenizer
 
 N_SPECIALS = len(BYTE_LEVEL_SPECIALS)
 

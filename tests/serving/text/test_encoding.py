@@ -1,4 +1,4 @@
-"""V4.1 prompt encoding (serving/api/encoding.py) against goldens from DeepSeek's reference encoder.
+"""V4.1 prompt encoding (serving/text/encoding.py) against goldens from DeepSeek's reference encoder.
 
 `encoding_goldens.json` was written by `make_encoding_goldens.py`, which runs vLLM 0.33.0's pure-Python
 `deepseek_v41_encoding.py` standalone (loaded by file path, vLLM not installed) on each case.
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from serving.api.encoding import (ASSISTANT, BOS, THINK_END, THINK_START, encode_messages,
+from serving.text.encoding import (ASSISTANT, BOS, THINK_END, THINK_START, encode_messages,
                                   encode_messages_to_ids, resolve_thinking)
-from serving.api.tokenizer import byte_level_tokenizer
+from serving.text.tokenizer import byte_level_tokenizer
 
 GOLDENS = json.loads(Path(__file__).with_name("encoding_goldens.json").read_text(encoding="utf-8"))
 OPTIONS = ("tools", "thinking", "reasoning_effort", "drop_thinking")

@@ -1,4 +1,5 @@
-"""Request routing across data-parallel ranks (serving spec §5.3).
+"""Request routing across data-parallel ranks (serving spec §5.3): host-side policy the data-parallel
+scheduler (`serving.engine.dp_scheduler`) asks for a new request's rank.
 
 `sticky`: a request's key is its `X-Session-ID` header, else a hash of its first prompt block (the prefix
 every turn of a conversation shares); a key stays on the rank that served it - where its prefix cache
@@ -73,33 +74,3 @@ class DPRouter:
         if self.inflight[rank] <= 0:
             raise ValueError(f"rank {rank} has no request in flight")
         self.inflight[rank] -= 1
-
-    def metrics(self) -> dict[str, float]:
-        out = {f"dp_router_inflight_rank_{r}": float(n) for r, n in enumerate(self.inflight)}
-        out["dp_router_sticky_moves"] = float(self.moved)
-        return out
-
-
-class PrefixCacheSim:
-    """A rank's prefix cache for the benchmark: an LRU of chained block hashes with a block capacity."""
-
-    def __init__(self, capacity_blocks: int, block_size: int):
-        self.capacity, self.block_size = capacity_blocks, block_size
-        self.blocks: OrderedDict[int, None] = OrderedDict()
-
-    def lookup_and_insert(self, ids: Sequence[int]) -> int:
-        """Tokens of `ids` whose blocks were cached (longest prefix); then caches all its full blocks."""
-        h, hit, hashes = 0, 0, []
-        for i in range(len(ids) // self.block_size):
-            h = hash((h, tuple(ids[i * self.block_size:(i + 1) * self.block_size])))
-            hashes.append(h)
-        for h in hashes:
-            if h not in self.blocks:
-                break
-            hit += self.block_size
-        for h in hashes:
-            self.blocks[h] = None
-            self.blocks.move_to_end(h)
-        while len(self.blocks) > self.capacity:
-            self.blocks.popitem(last=False)
-        return hit

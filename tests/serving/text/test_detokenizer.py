@@ -1,11 +1,11 @@
-"""Incremental detokenizer (serving/api/detokenizer.py) against whole-sequence decode."""
+"""Incremental detokenizer (serving/text/detokenizer.py) against whole-sequence decode."""
 
 import random
 
 import pytest
 
-from serving.api.detokenizer import IncrementalDetokenizer
-from serving.api.tokenizer import BYTE_LEVEL_SPECIALS, byte_level_tokenizer
+from serving.text.detokenizer import IncrementalDetokenizer
+from serving.text.tokenizer import BYTE_LEVEL_SPECIALS, byte_level_tokenizer
 
 FIRST_BYTE_ID = len(BYTE_LEVEL_SPECIALS)
 
@@ -104,7 +104,7 @@ def test_rejects_a_tokenizer_without_byte_level_decoder():
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import models
 
-    from serving.api.tokenizer import Tokenizer
+    from serving.text.tokenizer import Tokenizer
 
     vocab = {"<｜begin▁of▁sentence｜>": 0, "<｜end▁of▁sentence｜>": 1, "a": 2}
     word_level = Tokenizer(HFTokenizer(models.WordLevel(vocab, unk_token="a")))
