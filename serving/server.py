@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
          f"compiled in {engine.runner.compile_seconds:.1f}s")
     aengine = AsyncEngine(engine)
     app = build_app(aengine, src.tokenizer, model_name=src.name, max_model_len=ea.runtime.max_model_len,
-                    api_key=srv.api_key, max_body_bytes=srv.max_request_body_bytes)
+                    api_key=srv.api_key, max_body_bytes=srv.max_request_body_bytes, profile_dir=srv.profile_dir)
     config = uvicorn.Config(app, host=srv.host, port=srv.port, log_level=srv.log_level,
                             access_log=not srv.disable_access_log, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             ready.cancel()
             aengine.shutdown()
+            if app.state.profiler.active:  # a trace still running at shutdown is written, not lost
+                _say(f"trace written to {app.state.profiler.stop().folder}")
 
     asyncio.run(serve())
 

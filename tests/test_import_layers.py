@@ -21,7 +21,7 @@ LAYERS = (
     ("serving.text.*",),
     ("serving.engine.*",),
     ("serving.api.*",),
-    ("serving", "serving.llm", "serving.server", "serving.model_source", "serving.launch"),
+    ("serving", "serving.llm", "serving.server", "serving.model_source", "serving.launch", "serving.profile"),
     ("serving.bench.*",),
     ("tests.*", "tools.*", "notebooks.*"),
 )

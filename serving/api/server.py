@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP server (FastAPI): routes, auth, body limits and the error contract.
 
-Error contract: bad input -> 4xx in OpenAI's error format naming the problem (400 invalid request, 401
-missing/wrong API key, 404 unknown model or route, 413 body too large, 503 queue full); the server never
-answers 500 to bad input. A non-streaming request whose client disconnects is aborted within a step; a
+Error contract: bad input -> 4xx in OpenAI's error format naming the problem (400 invalid request or profiler
+misuse, 401 missing/wrong API key, 404 unknown model or route, 413 body too large, 503 queue full); the server
+never answers 500 to bad input. A non-streaming request whose client disconnects is aborted within a step; a
 streaming one when its stream is closed.
 """
 
@@ -24,6 +24,7 @@ from serving.api.completions import completion
 from serving.api.generation import SSE_DONE, now, sse
 from serving.api.protocol import ChatCompletionRequest, CompletionRequest
 from serving.engine.async_engine import AsyncEngine, EngineDead
+from serving.engine.profiler import Profiler, ProfilerError
 from serving.engine.scheduler import QueueFull
 
 log = logging.getLogger("serving.api")
@@ -37,13 +38,17 @@ class ServerArgs:
 
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=8000, metadata={"help": "port to listen on"})
-    api_key: str | None = field(default=None, metadata={"help": "require 'Authorization: Bearer KEY' on /v1 routes"})
+    api_key: str | None = field(default=None, metadata={
+        "help": "require 'Authorization: Bearer KEY' on /v1 routes and /start_profile, /stop_profile"})
     max_request_body_bytes: int = field(default=32 << 20, metadata={"help": "larger request bodies get HTTP 413"})
     compilation_cache_dir: str = field(default=str(Path.home() / ".cache" / "dsv41-jax" / "xla"), metadata={
         "help": "persistent XLA cache of the compiled steps: a restart with the same flags skips compiling ('' "
                 "turns it off)"})
     disable_access_log: bool = field(default=False, metadata={"help": "no log line per HTTP request"})
     log_level: str = field(default="info", metadata={"choices": LOG_LEVELS, "help": "the server's log level"})
+    profile_dir: str | None = field(default=None, metadata={
+        "help": "enables POST /start_profile and /stop_profile: jax.profiler traces written under this folder "
+                "(TensorBoard / XProf / Perfetto)"})
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -52,6 +57,8 @@ class ServerArgs:
             raise ValueError(f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        if self.profile_dir is not None and (not self.profile_dir or Path(self.profile_dir).is_file()):
+            raise ValueError(f"profile_dir must name a folder, got {self.profile_dir!r}")
 
 
 def error(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -74,9 +81,13 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", param
 
 
+PROFILE_ROUTES = ("/start_profile", "/stop_profile")
+
+
 class Gate:
-    """ASGI middleware in front of every route: the API key on /v1 (401), and request bodies over `limit`
-    bytes refused (413), by header or while streaming in. Pure ASGI, so streaming and disconnects pass through."""
+    """ASGI middleware in front of every route: the API key on /v1 and the profiler routes (401), and request
+    bodies over `limit` bytes refused (413), by header or while streaming in. Pure ASGI, so streaming and
+    disconnects pass through."""
 
     def __init__(self, app, limit: int, api_key: str | None):
         self.app, self.limit, self.api_key = app, limit, api_key
@@ -85,7 +96,7 @@ class Gate:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        if self.api_key is not None and scope["path"].startswith("/v1"):
+        if self.api_key is not None and (scope["path"].startswith("/v1") or scope["path"] in PROFILE_ROUTES):
             if headers.get(b"authorization", b"") != f"Bearer {self.api_key}".encode():
                 return await error(401, "missing or wrong API key (send 'Authorization: Bearer <key>')")(
                     scope, receive, send)
@@ -111,11 +122,12 @@ class Gate:
 
 
 def build_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len: int, api_key: str | None = None,
-              max_body_bytes: int = 32 << 20) -> FastAPI:
+              max_body_bytes: int = 32 << 20, profile_dir: str | None = None) -> FastAPI:
     app = FastAPI(title="dsv41-jax", docs_url=None, redoc_url=None)
     app.add_middleware(Gate, limit=max_body_bytes, api_key=api_key)
     ctx = Context(engine, tokenizer, model_name)
     metrics = engine.engine.metrics
+    profiler = app.state.profiler = Profiler(profile_dir)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, exc: RequestValidationError):
@@ -146,6 +158,26 @@ def build_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": now(),
                                             "owned_by": "dsv41-jax", "root": model_name,
                                             "max_model_len": max_model_len}]}
+
+    # vLLM's routes. Starting and stopping block (the stop writes the files), hence the worker thread; the
+    # engine thread keeps stepping meanwhile, so the trace holds whatever the engine ran in between.
+    @app.post("/start_profile")
+    async def start_profile():
+        try:
+            folder = await asyncio.to_thread(profiler.start)
+        except ProfilerError as e:
+            return error(400, str(e))
+        log.info("profiling into %s", folder)
+        return {"status": "profiling", "trace_dir": str(folder)}
+
+    @app.post("/stop_profile")
+    async def stop_profile():
+        try:
+            trace = await asyncio.to_thread(profiler.stop)
+        except ProfilerError as e:
+            return error(400, str(e))
+        log.info("trace written to %s", trace.folder)
+        return {"status": "stopped", **trace.describe()}
 
     async def run(request: Request, body, handler):
         if body.model is not None and body.model != model_name:

@@ -8,6 +8,9 @@ served  `python -m serving.server` with the same engine configuration, `batch` c
         the window in which every request is decoding (from the last first-token to the first last-token),
         from each chunk's arrival time and token ids - scheduler, detokenizer, SSE and HTTP included.
 
+`--profile-dir DIR`: a `jax.profiler` trace of both timed parts - the bare steps in this process, the served
+window through the server's `/start_profile` / `/stop_profile` - each in its own session folder.
+
     python -m serving.bench.decode_overhead [--model small] [--batch 32] [--context 256] [--steps 64]
 """
 
@@ -48,7 +51,8 @@ def bare(args) -> dict:
              if args.model is None or args.model in dsv41.PRESETS else dsv41.load(args.model, dtype=args.dtype))
     r = Runner(model, _engine_args(args).runtime, progress=False)
     r.precompile()
-    tps = bench_decode(r, args.batch, args.context, args.steps, model.config.vocab_size)
+    tps = bench_decode(r, args.batch, args.context, args.steps, model.config.vocab_size, args.profile_dir,
+                       "bare_decode")
     return {"tokens_per_s": tps, "step_ms": 1000 * args.batch / tps}
 
 
@@ -73,6 +77,9 @@ def served(args) -> dict:
            *_engine_args(args).to_flags()]
     if args.model:
         cmd += ["--model", args.model]
+    if args.profile_dir:
+        cmd += ["--profile-dir", str(Path(args.profile_dir).absolute())]  # the server runs in another folder
+    trace = {}
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -94,7 +101,14 @@ def served(args) -> dict:
             async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=args.batch + 4)) as c:
                 await _stream(c, url, prompts[0][:16], 4, [])  # warm-up
                 logs = [[] for _ in prompts]
+                if args.profile_dir:
+                    (await c.post(f"{url}/start_profile")).raise_for_status()
                 await asyncio.gather(*(_stream(c, url, p, args.steps, log) for p, log in zip(prompts, logs)))
+                if args.profile_dir:
+                    stopped = await c.post(f"{url}/stop_profile")
+                    stopped.raise_for_status()
+                    trace["trace_dir"] = stopped.json()["trace_dir"]
+                    print(f"profile: served_decode: trace written to {trace['trace_dir']}", file=sys.stderr)
                 return logs
 
         logs = asyncio.run(run())
@@ -104,7 +118,7 @@ def served(args) -> dict:
     start = max(log[0][0] for log in logs)  # every request has its first token: all are decoding
     end = min(log[-1][0] for log in logs)
     tokens = sum(n for log in logs for t, n in log if start < t <= end)
-    return {"tokens_per_s": tokens / (end - start), "window_s": end - start, "tokens_in_window": tokens}
+    return {"tokens_per_s": tokens / (end - start), "window_s": end - start, "tokens_in_window": tokens, **trace}
 
 
 def main(argv=None) -> int:
@@ -118,6 +132,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--compilation-cache-dir", default=None, help="default: the server's")
     ap.add_argument("--out", default="bench_decode_overhead.json")
+    ap.add_argument("--profile-dir", default=None, help="write jax.profiler traces of both timed parts here")
     args = ap.parse_args(argv)
     if args.compilation_cache_dir is None:
         from serving.api.server import ServerArgs

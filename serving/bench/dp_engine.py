@@ -6,7 +6,8 @@ prompt + its answer + a new message, sent with the session's `X-Session-ID` (or 
 `--no-session-header`, then the router keys by the prompt's first tokens). Prints a table and one JSON
 object: per policy the prefix-cache hit rate (cached / prompt tokens, as vLLM's `prefix_cache_hits /
 queries`), the share of sessions with >= 95% of turns on one rank, the router's moves off saturated ranks,
-output tokens per second and wall time.
+output tokens per second and wall time. `--profile-dir DIR`: a `jax.profiler` trace of each policy's timed run
+(engine construction and compilation left out).
 
     python -m serving.bench.dp_engine --num-cpu-devices 4 --data-parallel-size 4 --enable-expert-parallel \\
         --sessions 16 --turns 4 [--out dp_engine.json]
@@ -26,6 +27,7 @@ from serving.bench.dp_router import emit, stickiness
 def run(model, args, a: argparse.Namespace) -> dict:
     """One policy's run: `args` the engine's sections (the policy among them), `a` the workload."""
     from serving.engine.engine import Engine
+    from serving.engine.profiler import profiling
     from serving.runtime.sampling_params import SamplingParams
 
     engine = Engine(model, None, args, progress=False)
@@ -51,21 +53,22 @@ def run(model, args, a: argparse.Namespace) -> dict:
         out[rid] = []
         prompt_tokens += len(history[s])
 
-    t0 = time.perf_counter()
-    for s in range(a.sessions):
-        submit(s)
-    while engine.has_unfinished():
-        for o in engine.step():
-            out[o.request_id] += o.new_token_ids
-            generated += len(o.new_token_ids)
-            if o.finished:
-                cached_tokens += o.num_cached_tokens
-                s = int(o.request_id[1:].split("-")[0])
-                turn[s] += 1
-                if turn[s] < a.turns:
-                    history[s] = history[s] + out[o.request_id] + tokens(a.message_min, a.message_max)
-                    submit(s)
-    wall = time.perf_counter() - t0
+    with profiling(a.profile_dir, f"dp_engine_{args.scheduler.dp_routing_policy}"):
+        t0 = time.perf_counter()
+        for s in range(a.sessions):
+            submit(s)
+        while engine.has_unfinished():
+            for o in engine.step():
+                out[o.request_id] += o.new_token_ids
+                generated += len(o.new_token_ids)
+                if o.finished:
+                    cached_tokens += o.num_cached_tokens
+                    s = int(o.request_id[1:].split("-")[0])
+                    turn[s] += 1
+                    if turn[s] < a.turns:
+                        history[s] = history[s] + out[o.request_id] + tokens(a.message_min, a.message_max)
+                        submit(s)
+        wall = time.perf_counter() - t0
     return {"policy": args.scheduler.dp_routing_policy, "prefix_hit_rate": cached_tokens / prompt_tokens, **stickiness(ranks.values()),
             "sticky_moves_when_saturated": engine.scheduler.router.moved, "prompt_tokens": prompt_tokens,
             "cached_tokens": cached_tokens, "output_tokens": generated, "output_tok_per_s": generated / wall,
@@ -88,6 +91,7 @@ def main() -> None:
     ap.add_argument("--answer-max", type=int, default=24)
     ap.add_argument("--no-session-header", action="store_true")
     ap.add_argument("--out", default=None, help="also write the JSON here")
+    ap.add_argument("--profile-dir", default=None, help="write a jax.profiler trace of each policy's run here")
     # the engine's own flags (both routing policies run, so that one is not a flag here), small by default
     EngineArgs.add_flags(ap, exclude=("dp_routing_policy",))
     ap.set_defaults(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=1024, block_size=16)

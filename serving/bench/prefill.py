@@ -5,6 +5,8 @@ For each prompt length, a fresh request (no prefix cache) is prefilled in one st
 submitting the step to having the last row's logits on the host, compilation excluded (every bucket is
 precompiled first), median of `--repeats` runs after one warm-up. Decode: `batch` requests with
 `--decode-context` tokens each decode `--decode-steps` tokens together. Prints a table, writes JSON.
+`--profile-dir DIR`: a `jax.profiler` trace of each measurement's timed runs (one session folder each, named
+after it).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 import numpy as np
 
 import dsv41
+from serving.engine.profiler import profiling
 from serving.runtime.batch import SeqChunk
 from serving.runtime.config import RuntimeConfig
 from serving.runtime.runner import Runner
@@ -52,23 +55,26 @@ def _keys(r: Runner, lengths, args, bounded: bool) -> list[tuple]:
     return sorted(keys | {("sample",)})
 
 
-def bench_prefill(r: Runner, L: int, repeats: int, bounded: bool, vocab: int) -> list[float]:
-    times = []
-    for i in range(repeats + 1):
+def bench_prefill(r: Runner, L: int, repeats: int, bounded: bool, vocab: int, profile_dir: str | None = None,
+                  label: str = "") -> list[float]:
+    def run(i: int) -> float:
         tokens = [int(t) for t in np.random.default_rng(i).integers(3, vocab, L)]
         t = time.perf_counter()
         np.asarray(r.forward([_chunk(r, 0, tokens, 0, L, bounded)]))
-        if i:  # the first run warms caches and allocators
-            times.append(time.perf_counter() - t)
-    return times
+        return time.perf_counter() - t
+
+    run(0)  # the first run warms caches and allocators
+    with profiling(profile_dir, label):
+        return [run(i) for i in range(1, repeats + 1)]
 
 
-def bench_decode(r: Runner, B: int, context: int, steps: int, vocab: int) -> float:
+def bench_decode(r: Runner, B: int, context: int, steps: int, vocab: int, profile_dir: str | None = None,
+                 label: str = "") -> float:
     seqs = [[int(t) for t in np.random.default_rng(100 + s).integers(3, vocab, context)] for s in range(B)]
     for s in range(B):
         r.forward([_chunk(r, s, seqs[s], 0, context, True)])
-    times = []
-    for step in range(steps + 1):
+
+    def step() -> float:
         chunks = []
         for s in range(B):
             seqs[s].append(7)
@@ -76,8 +82,11 @@ def bench_decode(r: Runner, B: int, context: int, steps: int, vocab: int) -> flo
             chunks.append(_chunk(r, s, seqs[s], n - 1, n, True))
         t = time.perf_counter()
         np.asarray(r.step(chunks, [None] * B)[0])
-        if step:
-            times.append(time.perf_counter() - t)
+        return time.perf_counter() - t
+
+    step()  # the first step warms caches and allocators
+    with profiling(profile_dir, label):
+        times = [step() for _ in range(steps)]
     return B / statistics.median(times)
 
 
@@ -93,6 +102,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--out", default="bench_prefill.json")
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--profile-dir", default=None, help="write a jax.profiler trace of each measurement here")
     args = ap.parse_args(argv)
     args.decode_batches = [int(x) for x in args.decode_batches.split(",")]
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -106,12 +116,12 @@ def main(argv=None) -> int:
         r = _runner(model, args, lengths, bounded)
         result["compile_seconds"][mode] = round(r.precompile(_keys(r, lengths, args, bounded)), 1)
         for L in lengths:
-            times = bench_prefill(r, L, args.repeats, bounded, vocab)
+            times = bench_prefill(r, L, args.repeats, bounded, vocab, args.profile_dir, f"prefill_{L}_{mode}")
             result["prefill"].setdefault(str(L), {})[mode] = {"median_s": statistics.median(times), "runs_s": times}
         if bounded:
             for B in args.decode_batches:
-                result["decode"][str(B)] = {"tokens_per_s": bench_decode(r, B, args.decode_context,
-                                                                         args.decode_steps, vocab)}
+                result["decode"][str(B)] = {"tokens_per_s": bench_decode(
+                    r, B, args.decode_context, args.decode_steps, vocab, args.profile_dir, f"decode_batch{B}")}
         del r
     lines = [f"prefill, {args.model} ({args.dtype}), median of {args.repeats} after warm-up, compile excluded",
              f"{'tokens':>7} {'replay off (s)':>15} {'replay on (s)':>14} {'on/off':>7}"]

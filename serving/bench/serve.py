@@ -9,6 +9,8 @@ a session's turn k re-sends the conversation so far plus a new suffix; turns of 
 sessions run concurrently, each with its own `X-Session-ID`). Load model: `--max-concurrency` lanes, each
 running whole sessions one after another (AgentX's lanes; for one-turn sessions this is vLLM's in-flight
 cap). Failed requests are counted and reported; the run goes on. Metric definitions: `metrics.py`.
+`--profile` (as `vllm bench serve --profile`): the server traces the timed run - `POST /start_profile` after the
+warm-ups, `POST /stop_profile` at the end (our server needs `--profile-dir`); the trace folder is reported.
 `run(args) -> dict` is the whole benchmark without printing, for tests and `side_by_side.py`.
 """
 
@@ -63,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=3600.0, help="seconds per request")
     p.add_argument("--output-json", default=None, help="write the summary (and settings) here")
     p.add_argument("--save-requests", action="store_true", help="add every request's record to the JSON")
+    p.add_argument("--profile", action="store_true",
+                   help="have the server trace the timed run (POST /start_profile, /stop_profile; our server "
+                        "needs --profile-dir)")
     return p
 
 
@@ -233,8 +238,21 @@ async def _served_model(client: httpx.AsyncClient, args: argparse.Namespace) -> 
     return resp.json()["data"][0]["id"]
 
 
+async def _profile_call(client: httpx.AsyncClient, args: argparse.Namespace, route: str) -> dict:
+    """POST a profiler route; a refusal is an error naming the route and the server's message."""
+    url = args.base_url.rstrip("/").removesuffix("/v1") + route
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    resp = await client.post(url, headers=headers)
+    if resp.status_code != 200:
+        raise RuntimeError(f"--profile: POST {route} failed: {_error_message(resp.status_code, resp.content)}")
+    try:
+        return resp.json()
+    except ValueError:  # vLLM answers with an empty body
+        return {}
+
+
 async def _benchmark(args: argparse.Namespace, transport: httpx.AsyncBaseTransport | None
-                     ) -> tuple[str, list[RequestRecord], list[RequestRecord]]:
+                     ) -> tuple[str, list[RequestRecord], list[RequestRecord], dict | None]:
     sessions = make_sessions(args)
     lanes = args.max_concurrency or len(sessions)
     limits = httpx.Limits(max_connections=lanes + 1, max_keepalive_connections=lanes + 1)
@@ -247,15 +265,22 @@ async def _benchmark(args: argparse.Namespace, transport: httpx.AsyncBaseTranspo
             warm_sessions = workloads.warmup_sessions(args.num_warmups, first.prompt_len, first.output_len,
                                                       token_id_range=token_id_range(args), seed=args.seed)
             warm = await run_sessions(client, args, model, warm_sessions, min(lanes, args.num_warmups))
-        records = await run_sessions(client, args, model, sessions, lanes)
-    return model, warm, records
+        profile = None
+        if args.profile:
+            await _profile_call(client, args, "/start_profile")
+        try:
+            records = await run_sessions(client, args, model, sessions, lanes)
+        finally:
+            if args.profile:
+                profile = await _profile_call(client, args, "/stop_profile")
+    return model, warm, records, profile
 
 
 def run(args: argparse.Namespace, transport: httpx.AsyncBaseTransport | None = None) -> dict:
-    """Run the benchmark; returns {"settings", "summary", "errors"[, "requests"]} and writes --output-json.
-    `transport` replaces the network (tests pass an `httpx.MockTransport`)."""
+    """Run the benchmark; returns {"settings", "summary", "errors"[, "requests"][, "profile"]} and writes
+    --output-json. `transport` replaces the network (tests pass an `httpx.MockTransport`)."""
     check_args(args)
-    model, warm, records = asyncio.run(_benchmark(args, transport))
+    model, warm, records, profile = asyncio.run(_benchmark(args, transport))
     errors: dict[str, int] = {}
     for r in records:
         if r.error:
@@ -269,6 +294,8 @@ def run(args: argparse.Namespace, transport: httpx.AsyncBaseTransport | None = N
               "errors": [{"error": e, "count": n} for e, n in sorted(errors.items(), key=lambda x: -x[1])]}
     if args.save_requests:
         result["requests"] = [asdict(r) for r in records]
+    if profile is not None:
+        result["profile"] = profile  # the server's answer to /stop_profile (ours: the trace folder and files)
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output_json).write_text(json.dumps(result, indent=1))
@@ -319,8 +346,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    result = run(args)
+    try:
+        result = run(args)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(format_report(result))
+    if "profile" in result:
+        print(f"server trace of the timed run (/start_profile .. /stop_profile): "
+              f"{result['profile'].get('trace_dir', 'written by the server')}")
     if args.output_json:
         print(f"wrote {args.output_json}")
     return 0 if result["summary"]["completed"] else 1

@@ -114,25 +114,31 @@ class Engine:
 
     # ---------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
-        outputs: list[RequestOutput] = []
-        if sched:
-            with jax.profiler.TraceAnnotation("engine.step"):
+        # Trace annotations name the phases of a step (engine.schedule, runner.build / segment1 / segment2 /
+        # sample / readback, engine.detokenize) so a profile splits host time by phase (serving.engine.trace_report).
+        with jax.profiler.TraceAnnotation("engine.step"):
+            with jax.profiler.TraceAnnotation("engine.schedule"):
+                sched = self.scheduler.schedule()
+            outputs: list[RequestOutput] = []
+            if sched:
                 self._note_admissions(sched)
                 out = self.runner.step([self._chunk(s) for s in sched], [s.request.params for s in sched],
                                        [self._banned(s.request) for s in sched])
                 if self.eplb is not None:  # a rearrangement migrates the weights here, between two steps
                     self.eplb.after_step(out.expert_counts, self.runner)
                 now = time.monotonic()
-                for i, s in enumerate(sched):
-                    token = int(out.tokens[i]) if s.sample else None
-                    finish = self.scheduler.postprocess(s, token)
-                    if i in out.prompt_logprobs:
-                        self._collect_prompt_logprobs(s, out.prompt_logprobs[i])
-                    if s.sample:
-                        outputs.append(self._sampled(s.request, token, finish, out, i, now))
-        self._update_gauges()
-        return outputs
+                # the scheduler's postprocess (append, token finishes) is counted here too: it is per-request
+                # host work interleaved with the text, not worth an annotation per request
+                with jax.profiler.TraceAnnotation("engine.detokenize"):
+                    for i, s in enumerate(sched):
+                        token = int(out.tokens[i]) if s.sample else None
+                        finish = self.scheduler.postprocess(s, token)
+                        if i in out.prompt_logprobs:
+                            self._collect_prompt_logprobs(s, out.prompt_logprobs[i])
+                        if s.sample:
+                            outputs.append(self._sampled(s.request, token, finish, out, i, now))
+            self._update_gauges()
+            return outputs
 
     def _chunk(self, s: Scheduled) -> SeqChunk:
         req = s.request

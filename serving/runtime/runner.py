@@ -315,7 +315,9 @@ class Runner:
         p = sampling_arrays(row_params, row_pos, n_rows, self.rc.seed, banned=row_banned)
         with jax.profiler.TraceAnnotation("runner.sample"):
             sampled = self._exe_for(("sample",))(logits, self._put_replicated(p))
-        sampled, counts = jax.device_get((tuple(sampled), counts if self.expert_counts else None))
+        # the calls above only dispatch: this is where the host waits for the step's device work
+        with jax.profiler.TraceAnnotation("runner.readback"):
+            sampled, counts = jax.device_get((tuple(sampled), counts if self.expert_counts else None))
         tok, logprob, top_ids, top_lp = (a[rows] for a in sampled)
         expert_counts = np.concatenate(counts) if counts is not None else None
         out = {}

@@ -1,8 +1,10 @@
 """The real server in a subprocess, driven with the official `openai` client and raw HTTP: both endpoints,
 streaming and not, usage and cached tokens, stops, n, seeds, logprobs, tool-call history, disconnects,
-bad input (4xx naming the problem; the server keeps serving), the API key, and 256 concurrent streams."""
+bad input (4xx naming the problem; the server keeps serving), the API key, traces via /start_profile and
+/stop_profile, and 256 concurrent streams."""
 
 import asyncio
+import gzip
 import json
 import os
 import re
@@ -11,11 +13,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
+from fastapi.testclient import TestClient
 
+import dsv41
+from serving.api.server import build_app
+from serving.engine.trace_report import read_trace
 from serving.text.encoding import encode_messages_to_ids
 from serving.text.tokenizer import byte_level_tokenizer
 from tests.conftest import XLA_CACHE
@@ -38,7 +45,7 @@ def server(tmp_path_factory):
     cmd = [sys.executable, "-m", "serving.server", "--port", str(port), "--api-key", KEY, "--max-num-seqs", "8",
            "--max-num-batched-tokens", "64", "--max-model-len", "2048", "--block-size", "16",
            "--token-buckets", "8,16,32,64", "--disable-access-log", "--max-request-body-bytes", "200000",
-           "--compilation-cache-dir", str(XLA_CACHE)]
+           "--compilation-cache-dir", str(XLA_CACHE), "--profile-dir", str(tmp_path_factory.mktemp("traces"))]
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -207,6 +214,62 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
         got = [next(lines) for _ in range(3)]
     assert any(line.startswith("data: ") for line in got)
     assert _idle(server), "the aborted request still holds blocks"
+
+
+PHASES = {"engine.step", "engine.schedule", "runner.build", "runner.segment1", "runner.segment2", "runner.sample",
+          "runner.readback", "engine.detokenize"}
+
+
+def test_profile_routes_need_the_key(server):
+    for route in ("/start_profile", "/stop_profile"):
+        assert httpx.post(f"{server}{route}").status_code == 401
+        assert httpx.post(f"{server}{route}", headers={"Authorization": "Bearer wrong"}).status_code == 401
+
+
+def test_a_trace_of_completions_has_the_engine_phases_and_the_named_scopes(server, client):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    idle = httpx.post(f"{server}/stop_profile", headers=auth, timeout=60)
+    assert idle.status_code == 400 and "no trace is running" in idle.json()["error"]["message"]
+    started = httpx.post(f"{server}/start_profile", headers=auth, timeout=60)
+    assert started.status_code == 200, started.text
+    try:
+        again = httpx.post(f"{server}/start_profile", headers=auth, timeout=60)
+        assert again.status_code == 400 and "already running" in again.json()["error"]["message"]
+        for i in range(2):
+            client.completions.create(model="dsv41-tiny", prompt=_ids(40 + i, 20), max_tokens=4, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    finally:
+        stopped = httpx.post(f"{server}/stop_profile", headers=auth, timeout=300)
+    assert stopped.status_code == 200, stopped.text
+    info = stopped.json()
+    assert info["trace_dir"] == started.json()["trace_dir"] and Path(info["xplane"]).is_file()
+    names = {e.get("name") for e in json.load(gzip.open(info["perfetto_trace"]))["traceEvents"]}
+    assert PHASES <= names
+
+    r = read_trace(info["xplane"])
+    steps = r.phases["runner.segment1"].count
+    assert steps >= 8  # 2 requests x 4 tokens, one token of a request per step
+    assert {r.phases[p].count for p in PHASES if p.startswith("runner.")} | {r.phases["engine.detokenize"].count} \
+        == {steps}
+    assert r.phases["engine.schedule"].count == r.phases["engine.step"].count >= steps
+    # every op event found its program's HLO (the server loaded its steps from the persistent cache), and every
+    # layer of the model is there under its segment
+    assert r.unmatched == 0 and r.device_ns > 0
+    c = dsv41.load_config("tiny")
+    cut = c.cut_layer
+    assert ({f"segment1/layer_{i}" for i in range(cut)} | {f"segment1/layer_{cut}_kv_path"}
+            | {f"segment2/layer_{i}" for i in range(cut, c.num_hidden_layers)}) <= set(r.by_scope(2))
+    scopes = set(r.by_scope(3))
+    assert {f"segment1/layer_{i}/attn" for i in range(cut)} <= scopes
+    assert {f"segment2/layer_{i}/moe" for i in range(cut, c.num_hidden_layers)} <= scopes
+
+
+def test_profile_routes_without_profile_dir_are_400_naming_the_flag():
+    engine = SimpleNamespace(engine=SimpleNamespace(metrics=None))  # the routes never reach the engine
+    with TestClient(build_app(engine, None, model_name="m", max_model_len=16)) as c:
+        for route in ("/start_profile", "/stop_profile"):
+            r = c.post(route)
+            assert r.status_code == 400 and "--profile-dir" in r.json()["error"]["message"], r.text
 
 
 BAD = [

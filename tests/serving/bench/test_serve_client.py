@@ -132,6 +132,43 @@ def test_chat_endpoint_skips_the_role_chunk_and_sends_messages(tmp_path):
     assert json.loads(path.read_text())["summary"] == s
 
 
+def _profiling_server(fake, start_status=200):
+    """The fake server plus the profiler routes; `calls` records (route, auth header, requests seen so far)."""
+    calls = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        route = request.url.path
+        if route in ("/start_profile", "/stop_profile"):
+            calls.append((route, request.headers.get("authorization"), len(fake.requests),
+                          sum("end" in r for r in fake.requests)))
+            if route == "/start_profile" and start_status != 200:
+                return httpx.Response(start_status, json={"error": {"message": "profiling is off: no --profile-dir"}})
+            return httpx.Response(200, json={"trace_dir": "/traces/run"} if route == "/stop_profile" else {})
+        return await fake(request)
+
+    return handler, calls
+
+
+def test_profile_brackets_the_timed_run_with_the_key():
+    fake = FakeServer("completions")
+    handler, calls = _profiling_server(fake)
+    args = serve.parse_args(["--base-url", "http://fake:1/v1", "--model", "m", "--num-prompts", "3", "--input-len",
+                             "5", "--output-len", "2", "--num-warmups", "1", "--api-key", "k", "--profile"])
+    out = serve.run(args, transport=httpx.MockTransport(handler))
+    # started after the warm-up request and before any timed one; stopped once all four had ended
+    assert calls == [("/start_profile", "Bearer k", 1, 1), ("/stop_profile", "Bearer k", 4, 4)]
+    assert out["profile"] == {"trace_dir": "/traces/run"} and out["summary"]["completed"] == 3
+
+
+def test_profile_refused_by_the_server_is_an_error_naming_the_route():
+    fake = FakeServer("completions")
+    handler, calls = _profiling_server(fake, start_status=400)
+    args = serve.parse_args(["--base-url", "http://fake:1", "--model", "m", "--num-prompts", "1", "--profile"])
+    with pytest.raises(RuntimeError, match="POST /start_profile failed: HTTP 400: profiling is off"):
+        serve.run(args, transport=httpx.MockTransport(handler))
+    assert [c[0] for c in calls] == ["/start_profile"] and not fake.requests
+
+
 def test_same_prompts_as_the_workload_generator():
     fake = FakeServer("completions")
     _run(fake, "--num-prompts", "3", "--input-len", "7", "--output-len", "1", "--seed", "11")
