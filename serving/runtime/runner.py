@@ -136,16 +136,19 @@ class Runner:
             cache_sh, carry_sh = (jax.tree.map(lambda a: a.sharding, t) for t in (self.cache, self.carry_buf))
             rep, rows2 = placement.replicated, placement.rows_sharding(2)
             self._fns = {
-                "seg1": jax.jit(placement.per_rank(seg1, self._leaves, ("cache", "rows", "sum")), donate_argnums=(1, 2),
+                "seg1": jax.jit(_named(placement.per_rank(seg1, self._leaves, ("cache", "rows", "sum")), "segment1"),
+                                donate_argnums=(1, 2),
                                 out_shardings=(cache_sh, carry_sh, rep)),
                 # row logprobs replicated: every process can read them (they are zeros unless asked for)
-                "seg2": jax.jit(placement.per_rank(seg2, self._leaves, ("cache", "rows", "rows", "sum")),
+                "seg2": jax.jit(_named(placement.per_rank(seg2, self._leaves, ("cache", "rows", "rows", "sum")),
+                                       "segment2"),
                                 donate_argnums=1, out_shardings=(cache_sh, rows2, rep, rep)),
                 "sample": jax.jit(sample_fn, in_shardings=(rows2, rep), out_shardings=rep)}
         else:
             self.carry_buf = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), spec)
-            self._fns = {"seg1": jax.jit(_one_rank(seg1), donate_argnums=(1, 2)),
-                         "seg2": jax.jit(_one_rank(seg2), donate_argnums=1), "sample": jax.jit(sample_fn)}
+            self._fns = {"seg1": jax.jit(_named(_one_rank(seg1), "segment1"), donate_argnums=(1, 2)),
+                         "seg2": jax.jit(_named(_one_rank(seg2), "segment2"), donate_argnums=1),
+                         "sample": jax.jit(sample_fn)}
         self._exe: dict[tuple, object] = {}
         self.progress = progress
         self.compile_seconds = 0.0
@@ -333,6 +336,12 @@ class Runner:
 
     def _put_replicated(self, tree):
         return self.placement.put_replicated(tree) if self.placement else tree
+
+
+def _named(fn, name: str):
+    """The compiled module is named after the function (`jit_segment1` in HLO dumps and profiles, not `jit__lambda`)."""
+    fn.__name__ = fn.__qualname__ = name
+    return fn
 
 
 def _one_rank(fn):
