@@ -113,6 +113,26 @@ def prefix_hit_rate(records: list[RequestRecord]) -> float | None:
     return sum(r.cached_tokens for r in rep) / prompt if prompt else None
 
 
+def error_kinds(records: list[RequestRecord]) -> dict[str, int]:
+    """Failed requests counted by kind: the error text before its first ':' ("HTTP 503", "ReadTimeout",
+    "stream error"), most frequent first."""
+    kinds: dict[str, int] = {}
+    for r in records:
+        if not r.ok:
+            kind = (r.error or "the stream carried no output chunk").split(":", 1)[0]
+            kinds[kind] = kinds.get(kind, 0) + 1
+    return dict(sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def window_token_throughput(records: list[RequestRecord], start: float, end: float) -> float | None:
+    """(prompt + completion tokens) of the successful requests that ended in [start, end], per second of the
+    window: throughput over a window where a given set of lanes were all running (None for an empty window)."""
+    if end <= start:
+        return None
+    tokens = sum(r.prompt_tokens + r.completion_tokens for r in records if r.ok and start <= r.end_time <= end)
+    return tokens / (end - start)
+
+
 def good_requests(records: list[RequestRecord], slo_ms: dict[str, float]) -> int:
     """Successful requests meeting every SLO in {'ttft'|'tpot'|'e2el': ms} (DistServe goodput)."""
     unknown = set(slo_ms) - {"ttft", "tpot", "e2el"}
