@@ -8,6 +8,7 @@ import pytest
 
 import dsv41
 from dsv41.checkpoint import save_checkpoint
+from tests.conftest import HANG_TIMEOUT_S
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +21,7 @@ def ckpt(tmp_path_factory):
 
 def _run(*args):
     return subprocess.run([sys.executable, "-m", "dsv41.logits", *map(str, args)], capture_output=True, text=True,
-                          timeout=600)
+                          timeout=HANG_TIMEOUT_S)
 
 
 def test_logits_cli_matches_api(ckpt, tmp_path):

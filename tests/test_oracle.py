@@ -16,6 +16,7 @@ import pytest
 import dsv41
 from dsv41.safetensors_io import write_checkpoint
 from tests.oracle.random_weights import random_release_weights, weights_digest
+from tests.conftest import HANG_TIMEOUT_S
 
 FIXTURES = Path(__file__).parent / "fixtures" / "oracle"
 CASES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
@@ -72,7 +73,7 @@ def test_live_hf_oracle(case, tmp_path, oracle_python):
             pytest.skip("torch is not importable here; pass --oracle-python=PYTHON to run the HF oracle live")
         script = Path(__file__).parent / "oracle" / "make_fixtures.py"
         subprocess.run([oracle_python, str(script), "--out", str(tmp_path), "--all-rows", case], check=True,
-                       capture_output=True, timeout=600)
+                       capture_output=True, timeout=HANG_TIMEOUT_S)
         config = json.loads((tmp_path / case / "config.json").read_text())
         npz = np.load(tmp_path / case / "expected.npz")
         seed, ids, logits = int(npz["seed"]), npz["input_ids"], npz["logits"]

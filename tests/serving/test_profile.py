@@ -9,7 +9,7 @@ from pathlib import Path
 
 import dsv41
 import serving.profile
-from tests.conftest import XLA_CACHE
+from tests.conftest import HANG_TIMEOUT_S, XLA_CACHE
 
 ROOT = Path(__file__).resolve().parents[2]
 PHASES = {"engine.step", "engine.schedule", "runner.build", "runner.segment1", "runner.segment2", "runner.sample",
@@ -23,7 +23,7 @@ def test_profile_cli_traces_steps_and_splits_their_time(tmp_path):
     out = tmp_path / "profile.json"
     r = subprocess.run([sys.executable, "-m", "serving.profile", *FLAGS, "--batch", "2", "--input-len", "8",
                         "--output-len", "4", "--steps", "2", "--profile-dir", str(tmp_path / "traces"),
-                        "--output-json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900,
+                        "--output-json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=HANG_TIMEOUT_S,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())

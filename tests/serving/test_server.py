@@ -25,7 +25,7 @@ from serving.api.server import build_app
 from serving.engine.trace_report import read_trace
 from serving.text.encoding import encode_messages_to_ids
 from serving.text.tokenizer import byte_level_tokenizer
-from tests.conftest import XLA_CACHE
+from tests.conftest import HANG_TIMEOUT_S, XLA_CACHE
 
 KEY = "test-key"
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,7 +50,7 @@ def server(tmp_path_factory):
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONPATH": str(ROOT)})
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 1200
+    deadline = time.time() + HANG_TIMEOUT_S
     while time.time() < deadline:
         if proc.poll() is not None:
             pytest.fail(f"server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")

@@ -18,7 +18,7 @@ import pytest
 import dsv41
 from serving.engine.args import EngineArgs
 from serving.engine.engine import Engine
-from tests.conftest import XLA_CACHE
+from tests.conftest import HANG_TIMEOUT_S, XLA_CACHE
 from tests.sharding.dep_engine_worker import INTERVAL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,7 +29,7 @@ def served():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-m", "tests.sharding.dep_engine_worker", "--compilation-cache-dir",
                            str(XLA_CACHE)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

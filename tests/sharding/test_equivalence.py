@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.conftest import HANG_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-5
@@ -22,7 +23,7 @@ TOL = 1e-5
 def _worker(*args: str) -> dict:
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-m", "tests.sharding.equivalence_worker", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from serving.bench import make_checkpoints, serve
+from tests.conftest import HANG_TIMEOUT_S
 
 HF_GENERATE = Path(serve.__file__).with_name("hf_generate.py")
 FLAGS = ["--num-prompts", "5", "--input-len", "12", "--output-len", "3", "--range-ratio", "0.25",
@@ -44,7 +45,7 @@ def test_hf_generate_runs_the_workload_on_a_v4_checkpoint(tmp_path, oracle_pytho
     out = tmp_path / "hf.json"
     subprocess.run([oracle_python, str(HF_GENERATE), "--model", str(tmp_path / "v4"), "--batch-size", "2",
                     "--dtype", "float32", "--threads", "1", "--output-json", str(out), *FLAGS],
-                   check=True, capture_output=True, timeout=600)
+                   check=True, capture_output=True, timeout=HANG_TIMEOUT_S)
     res = json.loads(out.read_text())
     sessions = serve.make_sessions(serve.parse_args(FLAGS))
     batches = [sessions[i:i + 2] for i in range(0, 5, 2)]
