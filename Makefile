@@ -2,11 +2,14 @@
 # make test:  setup when needed, then the whole suite.
 # make serve: setup when needed, then the OpenAI-compatible server on the built-in tiny model
 #             (pass flags with ARGS, e.g. make serve ARGS="--model /path/to/checkpoint --port 9000").
+# make notebooks: setup when needed, then execute every notebooks/*.ipynb on the built-in tiny model
+#             (outputs are not written back; ARGS="--out DIR" saves the executed copies there).
+# make strip-notebooks: remove outputs and execution counts from the notebooks before committing them.
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup test serve oracle-fixtures clean
+.PHONY: setup test serve notebooks strip-notebooks oracle-fixtures clean
 
 setup: $(STAMP)
 
@@ -22,6 +25,12 @@ test: $(STAMP)
 
 serve: $(STAMP)
 	$(PY) -m serving.server $(ARGS)
+
+notebooks: $(STAMP)
+	$(PY) tools/run_notebooks.py $(ARGS)
+
+strip-notebooks: $(STAMP)
+	$(PY) tools/strip_notebooks.py
 
 # Regenerate the HF-oracle fixtures; needs a Python with torch 2.13 + transformers 5.24 (see tests/oracle/README.md).
 ORACLE_PYTHON ?= .oracle-venv/bin/python

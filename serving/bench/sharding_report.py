@@ -92,30 +92,42 @@ def collective_bytes(hlo_text: str) -> dict[str, dict[str, int]]:
     return dict(out)
 
 
-def hlo_report(preset: str, pc: ParallelConfig, *, prefill_tokens: int, decode_batch: int) -> dict:
-    import dsv41
+def prefill_collectives(sm, tokens: int) -> dict[str, dict[str, int]]:
+    """{op: {count, bytes}} of the exact forward over `tokens` ids of a `sharding.model.ShardedModel`."""
+    return collective_bytes(sm.lower_logits(tokens).compile().as_text())
+
+
+def decode_collectives(sm, batch: int) -> dict[str, dict[str, int]]:
+    """{op: {count, bytes}} of one decode step of `batch` requests per dp rank through the runtime's two
+    segments (seg1 + seg2) of a `sharding.model.ShardedModel` on its mesh."""
     from serving.runtime.config import RuntimeConfig
     from serving.runtime.runner import Runner
-    from sharding.model import ShardedModel
     from sharding.runtime import MeshPlacement
 
-    sm = ShardedModel(dsv41.random_model(preset, seed=0), pc, capacity_buckets=1)
-    prefill = collective_bytes(sm.lower_logits(prefill_tokens).compile().as_text())
-    c = sm.config
-    block = smallest_block_size(c)
-    rc = RuntimeConfig(max_num_seqs=decode_batch, max_num_batched_tokens=decode_batch,  # per dp rank
-                       max_model_len=4 * block, block_size=block, token_buckets=(decode_batch,))
+    block = smallest_block_size(sm.config)
+    rc = RuntimeConfig(max_num_seqs=batch, max_num_batched_tokens=batch,  # per dp rank
+                       max_model_len=4 * block, block_size=block, token_buckets=(batch,))
     runner = Runner(sm, rc, progress=False, placement=MeshPlacement(sm.mesh))
-    decode: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
-    for key in (("seg1", decode_batch), ("seg2", decode_batch)):
+    out: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
+    for key in (("seg1", batch), ("seg2", batch)):
         runner.precompile([key])
         for op, v in collective_bytes(runner.compiled_text(key)).items():
-            decode[op]["count"] += v["count"]
-            decode[op]["bytes"] += v["bytes"]
+            out[op]["count"] += v["count"]
+            out[op]["bytes"] += v["bytes"]
+    return dict(out)
+
+
+def hlo_report(preset: str, pc: ParallelConfig, *, prefill_tokens: int, decode_batch: int) -> dict:
+    import dsv41
+    from sharding.model import ShardedModel
+
+    sm = ShardedModel(dsv41.random_model(preset, seed=0), pc, capacity_buckets=1)
+    prefill = prefill_collectives(sm, prefill_tokens)
+    decode = decode_collectives(sm, decode_batch)
     return {"hlo_preset": preset,
             "prefill_tokens": prefill_tokens, "prefill_collectives": prefill,
             "prefill_collective_bytes_per_token": sum(v["bytes"] for v in prefill.values()) / prefill_tokens,
-            "decode_batch_per_dp_rank": decode_batch, "decode_step_collectives": dict(decode),
+            "decode_batch_per_dp_rank": decode_batch, "decode_step_collectives": decode,
             "decode_collective_bytes_per_step": sum(v["bytes"] for v in decode.values())}
 
 
