@@ -24,6 +24,7 @@ import json
 import shutil
 import struct
 import subprocess
+import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,7 +84,9 @@ def extract_novels(package_root: Path) -> dict[str, str]:
         raise DataError(f"{data}: no Rdata.rdx (is {package_root} an extracted {DEB_PACKAGE}?)")
 
     def parse(raw: bytes):
-        return rdata.conversion.convert(rdata.parser.parse_data(raw, expand_altrep=True))
+        with warnings.catch_warnings():  # a lazy-load blob has no RDS header: rdata says it assumes RDS
+            warnings.filterwarnings("ignore", message="Unknown file type")
+            return rdata.conversion.convert(rdata.parser.parse_data(raw, expand_altrep=True))
 
     index = parse(gzip.decompress((data / "Rdata.rdx").read_bytes()))
     blob = (data / "Rdata.rdb").read_bytes()
