@@ -9,8 +9,8 @@ Id layout (`vocab_size` ids, 8192 by default):
     the last N_RESERVED ids         <｜reserved_K｜>; the last one is DSpark's noise token
 
 `<think>`, `</think>` and `｜DSML｜` are added as non-special tokens: decode(skip_special=True) must keep them
-for the reasoning and tool-call parsers (as `serving.text.tokenizer` does). dsv41 cannot import serving
-(package layering), so the special-token table is repeated here and a test holds the two equal.
+for the reasoning and tool-call parsers (as `serving.text.tokenizer` does). Both take the
+table from `dsv41.special_tokens`.
 """
 
 from __future__ import annotations
@@ -20,29 +20,8 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-BOS_TOKEN = "<｜begin▁of▁sentence｜>"
-EOS_TOKEN = "<｜end▁of▁sentence｜>"
-PAD_TOKEN = "<｜▁pad▁｜>"
-# (text, special): the serving tokenizer's BYTE_LEVEL_SPECIALS; special=False marks the parser markers.
-V41_SPECIAL_TOKENS: tuple[tuple[str, bool], ...] = (
-    (BOS_TOKEN, True),
-    (EOS_TOKEN, True),
-    (PAD_TOKEN, True),
-    ("<｜System｜>", True),
-    ("<｜User｜>", True),
-    ("<｜Assistant｜>", True),
-    ("<｜latest_reminder｜>", True),
-    ("<｜deepseek_image｜>", True),
-    ("<think>", False),
-    ("</think>", False),
-    ("｜DSML｜", False),
-    ("<｜action｜>", True),
-    ("<｜query｜>", True),
-    ("<｜authority｜>", True),
-    ("<｜domain｜>", True),
-    ("<｜title｜>", True),
-    ("<｜read_url｜>", True),
-)
+from dsv41.special_tokens import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS
+
 N_RESERVED = 16
 
 
@@ -54,7 +33,7 @@ def noise_token_id(vocab_size: int) -> int:
 def train_tokenizer(documents: list[str], out_dir: Path | None = None, *, vocab_size: int = 8192,
                     min_frequency: int = 2) -> Tokenizer:
     """Train on `documents` and (with `out_dir`) write tokenizer.json + tokenizer_config.json there."""
-    n_fixed = len(V41_SPECIAL_TOKENS)
+    n_fixed = len(SPECIAL_TOKENS)
     n_bpe = vocab_size - n_fixed - N_RESERVED
     if n_bpe < 256:
         raise ValueError(f"vocab_size {vocab_size} leaves {n_bpe} BPE ids; the byte alphabet alone needs 256")
@@ -69,7 +48,7 @@ def train_tokenizer(documents: list[str], out_dir: Path | None = None, *, vocab_
     if len(model["vocab"]) != n_bpe:
         raise ValueError(f"the corpus gave {len(model['vocab'])} BPE tokens, fewer than the {n_bpe} asked for: "
                          "lower vocab_size")
-    vocab = {text: i for i, (text, _) in enumerate(V41_SPECIAL_TOKENS)}
+    vocab = {text: i for i, (text, _) in enumerate(SPECIAL_TOKENS)}
     vocab.update({text: n_fixed + i for text, i in model["vocab"].items()})
     reserved = [f"<｜reserved_{k}｜>" for k in range(vocab_size - N_RESERVED, vocab_size)]
     vocab.update({text: vocab_size - N_RESERVED + k for k, text in enumerate(reserved)})
@@ -79,9 +58,9 @@ def train_tokenizer(documents: list[str], out_dir: Path | None = None, *, vocab_
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     # Registering tokens already in the model vocabulary keeps their ids.
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, special in V41_SPECIAL_TOKENS
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, special in SPECIAL_TOKENS
                             if special])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, special in V41_SPECIAL_TOKENS
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, special in SPECIAL_TOKENS
                     if not special])
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in reserved])
     if tok.get_vocab_size(with_added_tokens=True) != vocab_size:

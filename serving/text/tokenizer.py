@@ -25,37 +25,10 @@ from pathlib import Path
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-BOS_TOKEN = "<｜begin▁of▁sentence｜>"
-EOS_TOKEN = "<｜end▁of▁sentence｜>"
-PAD_TOKEN = "<｜▁pad▁｜>"
-THINK_START = "<think>"
-THINK_END = "</think>"
-DSML_TOKEN = "｜DSML｜"
+from dsv41.special_tokens import BOS_TOKEN, DSML_TOKEN, EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS, THINK_END, THINK_START
 
 # Markers the reasoning / tool-call parsers read from generated text: never skipped by decode.
 PARSER_MARKERS = (THINK_START, THINK_END, DSML_TOKEN)
-
-# The built-in tokenizer's special tokens in id order; (text, special) where special=False marks
-# the parser markers, which must survive decode(skip_special=True).
-BYTE_LEVEL_SPECIALS: tuple[tuple[str, bool], ...] = (
-    (BOS_TOKEN, True),
-    (EOS_TOKEN, True),
-    (PAD_TOKEN, True),
-    ("<｜System｜>", True),
-    ("<｜User｜>", True),
-    ("<｜Assistant｜>", True),
-    ("<｜latest_reminder｜>", True),
-    ("<｜deepseek_image｜>", True),
-    (THINK_START, False),
-    (THINK_END, False),
-    (DSML_TOKEN, False),
-    ("<｜action｜>", True),
-    ("<｜query｜>", True),
-    ("<｜authority｜>", True),
-    ("<｜domain｜>", True),
-    ("<｜title｜>", True),
-    ("<｜read_url｜>", True),
-)
 
 
 class Tokenizer:
@@ -185,12 +158,12 @@ _CHAR_TO_BYTE = {char: byte for byte, char in _byte_to_char().items()}
 
 def byte_level_tokenizer(vocab_size: int = 512) -> Tokenizer:
     """The deterministic tokenizer of the built-in tiny model (layout in the module docstring)."""
-    n_fixed = len(BYTE_LEVEL_SPECIALS) + 256
+    n_fixed = len(SPECIAL_TOKENS) + 256
     if vocab_size < n_fixed:
         raise ValueError(f"vocab_size must be >= {n_fixed} (specials + 256 bytes), got {vocab_size}")
-    vocab: dict[str, int] = {text: i for i, (text, _) in enumerate(BYTE_LEVEL_SPECIALS)}
+    vocab: dict[str, int] = {text: i for i, (text, _) in enumerate(SPECIAL_TOKENS)}
     for byte, char in _byte_to_char().items():
-        vocab[char] = len(BYTE_LEVEL_SPECIALS) + byte
+        vocab[char] = len(SPECIAL_TOKENS) + byte
     reserved = [f"<｜reserved_{k}｜>" for k in range(n_fixed, vocab_size)]
     vocab.update({text: n_fixed + k for k, text in enumerate(reserved)})
 
@@ -200,8 +173,8 @@ def byte_level_tokenizer(vocab_size: int = 512) -> Tokenizer:
     hf.decoder = decoders.ByteLevel()
     # Registering tokens already in the model vocabulary keeps their ids (0.., 273..).
     hf.add_special_tokens([AddedToken(text, special=True, normalized=False)
-                           for text, special in BYTE_LEVEL_SPECIALS if special])
+                           for text, special in SPECIAL_TOKENS if special])
     hf.add_tokens([AddedToken(text, special=False, normalized=False)
-                   for text, special in BYTE_LEVEL_SPECIALS if not special])
+                   for text, special in SPECIAL_TOKENS if not special])
     hf.add_special_tokens([AddedToken(text, special=True, normalized=False) for text in reserved])
     return Tokenizer(hf, source="byte_level_tokenizer")

@@ -4,9 +4,10 @@ the serving loader, encoding chat prompts, round-tripping any text."""
 import pytest
 
 from dsv41.layers.engram import build_compressed_token_map
-from dsv41.train.tokenizer import V41_SPECIAL_TOKENS, noise_token_id, train_tokenizer
+from dsv41.special_tokens import SPECIAL_TOKENS
+from dsv41.train.tokenizer import noise_token_id, train_tokenizer
 from serving.text.encoding import encode_messages, encode_messages_to_ids
-from serving.text.tokenizer import BYTE_LEVEL_SPECIALS, Tokenizer
+from serving.text.tokenizer import Tokenizer
 from tests.train.test_data import PREPARED, needs_corpus, persuasion_passage
 
 
@@ -17,13 +18,9 @@ def small_tokenizer_dir(tmp_path_factory):
     return folder
 
 
-def test_special_tokens_match_serving():
-    assert V41_SPECIAL_TOKENS == BYTE_LEVEL_SPECIALS
-
-
 def _check(tok: Tokenizer, vocab_size: int) -> None:
     assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.vocab_size) == (0, 1, 2, vocab_size)
-    for i, (text, special) in enumerate(V41_SPECIAL_TOKENS):
+    for i, (text, special) in enumerate(SPECIAL_TOKENS):
         assert tok.token_id(text) == i and tok.encode(text) == [i]
         assert tok.is_skipped(i) == special  # <think>, </think>, ｜DSML｜ survive skip_special
     assert tok.decode([noise_token_id(vocab_size)]).startswith("<｜reserved_")

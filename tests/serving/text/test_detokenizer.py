@@ -5,9 +5,9 @@ import random
 import pytest
 
 from serving.text.detokenizer import IncrementalDetokenizer
-from serving.text.tokenizer import BYTE_LEVEL_SPECIALS, byte_level_tokenizer
+from serving.text.tokenizer import SPECIAL_TOKENS, byte_level_tokenizer
 
-FIRST_BYTE_ID = len(BYTE_LEVEL_SPECIALS)
+FIRST_BYTE_ID = len(SPECIAL_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,9 @@ import random
 import pytest
 
 from dsv41.layers.engram import build_compressed_token_map
-from serving.text.tokenizer import BYTE_LEVEL_SPECIALS, Tokenizer, byte_level_tokenizer
+from serving.text.tokenizer import SPECIAL_TOKENS, Tokenizer, byte_level_tokenizer
 
-N_SPECIALS = len(BYTE_LEVEL_SPECIALS)
+N_SPECIALS = len(SPECIAL_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def test_round_trip_random_utf8(tok):
 def test_layout(tok):
     assert (tok.bos_id, tok.eos_id, tok.pad_id) == (0, 1, 2)
     assert tok.vocab_size == 512
-    assert [tok.token_id(text) for text, _ in BYTE_LEVEL_SPECIALS] == list(range(N_SPECIALS))
+    assert [tok.token_id(text) for text, _ in SPECIAL_TOKENS] == list(range(N_SPECIALS))
     assert tok.encode("\x00A") == [N_SPECIALS, N_SPECIALS + 65]  # byte b -> id N_SPECIALS + b
     assert tok.encode("é") == [N_SPECIALS + 0xC3, N_SPECIALS + 0xA9]
     assert tok.token_id("<｜reserved_511｜>") == 511
