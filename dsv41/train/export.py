@@ -1,0 +1,136 @@
+"""python -m dsv41.train.export: a trained run's model -> a release-layout checkpoint folder, checked.
+
+    python -m dsv41.train.export runs/nano --out dsv41/checkpoints/nano-austen
+
+Reads RUN/model (the converted checkpoint `python -m dsv41.train` writes), RUN/results.json and the prepared
+corpus (`--data`), and writes into --out:
+
+    config.json, model.safetensors   the release layout with the release formats (`dsv41.checkpoint`:
+                                     FP8 e4m3 linears with UE8M0 32x32 scales, MXFP4 routed experts, FP8 Engram
+                                     rows, BF16 / F32 elsewhere), loaded by `dsv41.load` like the real one
+    tokenizer.json, tokenizer_config.json
+    eval/                            the held-out novel (xz text) and the training split's unigram counts
+                                     (`dsv41.nano`), so evaluation needs no corpus download
+    export.json                      the checks below, with their numbers
+
+Checks (refused export if the first fails): the folder, loaded back, holds exactly the trained parameters passed
+through the release quantization (decoded here from the quantized arrays, independently of the loader), so its
+logits equal theirs (max |diff| reported, 0 expected); and what the quantization costs: held-out perplexity of
+the trained float32 parameters vs the exported ones on the same windows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import lzma
+import shutil
+import time
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+import dsv41
+from dsv41 import checkpoint, nano, quant
+from dsv41.train.data import DEFAULT_DATA_DIR, eval_windows, load_tokens
+
+
+def release_roundtrip(config: dsv41.ModelConfig, params: dict[tuple, np.ndarray]) -> dict[tuple, np.ndarray]:
+    """`params` as the release formats represent them: quantized by the export (`export_tensors`), then decoded
+    here by dtype. The FP8 Engram tables stay FP8 (rows + exponent bytes), as the loader keeps them."""
+    tensors, _ = checkpoint.export_tensors(config, params, quantize=True)
+    block = tuple(checkpoint.release_quantization(config)["weight_block_size"])
+    out = {p: np.array(v, dtype=np.float32) for p, v in params.items()}
+    for name, t in checkpoint.release_names(config, list(params)).items():
+        a = tensors[name]
+        if name.endswith("engram.embed.weight"):  # the model reads the FP8 rows directly
+            out[t.path] = a
+            out[t.path[:-1] + ("scale",)] = tensors[name[:-7] + ".scale"]
+            continue
+        if a.dtype == np.int8:
+            value = quant.dequantize_mxfp4(a, tensors[name[:-7] + ".scale"])
+        elif a.dtype == ml_dtypes.float8_e4m3fn:
+            value = quant.dequantize_fp8_blocks(a, tensors[name[:-7] + ".scale"], block)
+        else:
+            value = np.asarray(a, np.float32)
+        if t.expert is None:
+            out[t.path] = value.astype(np.float32)
+        else:
+            out[t.path][t.expert] = value
+    return out
+
+
+def heldout_nll(model: dsv41.Model, windows: np.ndarray) -> np.ndarray:
+    """[n, T - 1] next-token negative log-likelihoods of each window (the model's exact forward)."""
+    rows = []
+    for w in windows:
+        logits = model.logits(w).astype(np.float64)[:-1]
+        top = logits.max(-1, keepdims=True)
+        logz = top[:, 0] + np.log(np.exp(logits - top).sum(-1))
+        rows.append(logz - logits[np.arange(len(w) - 1), w[1:]])
+    return np.stack(rows)
+
+
+def export(run: Path, out: Path, data: Path, *, eval_windows_n: int = 8, seq_len: int = 1024) -> dict:
+    trained = dsv41.load(run / "model")
+    c = trained.config
+    params = {p: np.asarray(v) for p, v in trained.params.items()}
+    out.mkdir(parents=True, exist_ok=True)
+    checkpoint.save_checkpoint(out, c, params, quantize=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(run / "model" / name, out / name)
+    (out / "eval").mkdir(exist_ok=True)
+    (out / nano.HELDOUT_TEXT).write_bytes(lzma.compress((data / "heldout.txt").read_bytes(), preset=9))
+    counts = np.bincount(load_tokens(data, "train").astype(np.int64), minlength=c.vocab_size)[: c.vocab_size]
+    np.save(out / nano.TRAIN_UNIGRAM, counts.astype(np.int64))
+    if not np.array_equal(nano.heldout_tokens(out), load_tokens(data, "heldout")):
+        raise SystemExit(f"error: {out / nano.HELDOUT_TEXT} does not tokenize to {data}/heldout.tokens.npy")
+
+    exported = dsv41.load(out)
+    expected = release_roundtrip(c, params)
+    param_diff = max(float(np.abs(np.asarray(exported.params[p], np.float32) - np.asarray(v, np.float32)).max())
+                     for p, v in expected.items())
+    windows = eval_windows(nano.heldout_tokens(out), seq_len, limit=eval_windows_n)
+    roundtrip = dsv41.Model(c, expected, token_map=exported.token_map)
+    logit_diff = max(float(np.abs(exported.logits(w) - roundtrip.logits(w)).max()) for w in windows[:2])
+    if param_diff or logit_diff:
+        raise SystemExit(f"error: the exported folder differs from the quantized parameters "
+                         f"(params {param_diff}, logits {logit_diff})")
+    nll_trained, nll_exported = heldout_nll(trained, windows), heldout_nll(exported, windows)
+    unigram = nano.unigram_nll(windows[:, 1:], out)
+    report = {
+        "run": str(run), "exported": time.strftime("%Y-%m-%d"),
+        "files_bytes": {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()},
+        "check_release_vs_quantized_params": {"max_abs_param_diff": param_diff, "max_abs_logit_diff": logit_diff,
+                                              "windows": 2, "tokens_per_window": seq_len},
+        "heldout": {"windows": len(windows), "tokens_per_window": seq_len, "tokens": int(unigram.size),
+                    "ppl_trained_float32": float(np.exp(nll_trained.mean())),
+                    "ppl_exported_release": float(np.exp(nll_exported.mean())),
+                    "ppl_unigram": float(np.exp(unigram.mean())),
+                    "max_abs_logit_diff_trained_vs_exported": float(
+                        np.abs(trained.logits(windows[0]) - exported.logits(windows[0])).max())},
+        "training": json.loads((run / "results.json").read_text()),
+    }
+    (out / "export.json").write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m dsv41.train.export", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("run", type=Path, help="a finished `python -m dsv41.train` run folder")
+    ap.add_argument("--out", type=Path, default=nano.NANO_DIR, help=f"output folder (default {nano.NANO_DIR})")
+    ap.add_argument("--data", type=Path, default=DEFAULT_DATA_DIR, help=f"prepared corpus (default {DEFAULT_DATA_DIR})")
+    ap.add_argument("--eval-windows", type=int, default=8, help="held-out windows of 1024 tokens for the report")
+    a = ap.parse_args(argv)
+    for need in (a.run / "model" / "config.json", a.run / "results.json", a.data / "heldout.txt"):
+        if not need.is_file():
+            raise SystemExit(f"error: {need} is missing (train with `python -m dsv41.train`, data with "
+                             "`python -m dsv41.train.data`)")
+    print(json.dumps(export(a.run, a.out, a.data, eval_windows_n=a.eval_windows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
