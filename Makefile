@@ -1,8 +1,8 @@
 # make setup: .venv with a Python >= 3.12 found on this machine (tools/find_python.sh), project + dev extras.
 # make test:  setup when needed, then the whole suite.
-# make serve: setup when needed, then the OpenAI-compatible server on the built-in tiny model
+# make serve: setup when needed, then the OpenAI-compatible server on the built-in nano-austen model
 #             (pass flags with ARGS, e.g. make serve ARGS="--model /path/to/checkpoint --port 9000").
-# make notebooks: setup when needed, then execute every notebooks/*.ipynb on the built-in tiny model
+# make notebooks: setup when needed, then execute every notebooks/*.ipynb
 #             (outputs are not written back; ARGS="--out DIR" saves the executed copies there).
 # make strip-notebooks: remove outputs and execution counts from the notebooks before committing them.
 VENV   := .venv

@@ -1,7 +1,7 @@
 """The offline API for notebooks and scripts (vLLM's shape):
 
     from serving import LLM, SamplingParams
-    llm = LLM()                                   # built-in tiny model; or LLM("path/to/checkpoint", max_num_seqs=16)
+    llm = LLM()                                   # built-in nano-austen; or LLM("path/to/checkpoint", max_num_seqs=16)
     out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=16))
     print(out[0].outputs[0].text)
 
@@ -48,7 +48,8 @@ Prompt = str | Sequence[int] | dict
 
 class LLM:
     def __init__(self, model: str | dsv41.Model | None = None, *, tokenizer=None, progress: bool = True, **config):
-        """`model`: a checkpoint folder, a preset name, None (the built-in tiny model) or a `dsv41.Model`.
+        """`model`: a checkpoint folder, a preset name, None (the built-in nano-austen, `dsv41.nano`) or a
+        `dsv41.Model`.
         `config`: flat keywords, each a field of `ModelArgs` (dtype, served_model_name) or of a section of
         `EngineArgs` (max_num_seqs=16, block_size=8, seed=..., tensor_parallel_size=...); an unknown one is a
         TypeError naming it."""

@@ -1,6 +1,7 @@
 """What `--model` names, loaded: a checkpoint folder (release safetensors or a converted Orbax copy), a preset
-with deterministic random weights, or nothing - the built-in default, the `tiny` V4.1 preset with random
-weights (seed 0) and the byte-level tokenizer carrying the V4.1 special tokens."""
+with deterministic random weights and the byte-level tokenizer carrying the V4.1 special tokens, or nothing -
+the built-in default, nano-austen (`dsv41.nano`): a nano V4.1 trained on Jane Austen, committed in the release
+layout and loaded like the real checkpoint."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import dsv41
+from dsv41.nano import NANO_DIR
 from serving.text.tokenizer import Tokenizer, byte_level_tokenizer
 
-DEFAULT_PRESET = "tiny"
+DEFAULT_NAME = "dsv41-nano-austen"
 DTYPES = ("float32", "bfloat16")
 
 
@@ -20,8 +22,8 @@ class ModelArgs:
     weights is the runtime's `seed`."""
 
     model: str | None = field(default=None, metadata={
-        "help": "checkpoint folder (release safetensors or converted), or a preset name; default: the built-in "
-                "tiny model with random weights"})
+        "help": "checkpoint folder (release safetensors or converted), or a preset name (random weights); default: "
+                "the built-in nano-austen, a nano V4.1 trained on Jane Austen"})
     served_model_name: str | None = field(default=None, metadata={
         "help": "model id clients send (default: the folder or preset name)"})
     dtype: str = field(default="float32", metadata={"choices": DTYPES, "help": "compute dtype of the weights"})
@@ -48,10 +50,11 @@ def load_model(args: ModelArgs, seed: int = 0) -> ModelSource:
 
 def _load(model: str | None, dtype: str, seed: int) -> ModelSource:
     if model is None:
-        m = dsv41.random_model(DEFAULT_PRESET, seed=seed, dtype=dtype)
-        return ModelSource(m, byte_level_tokenizer(m.config.vocab_size), f"dsv41-{DEFAULT_PRESET}",
-                           f"built-in default: the '{DEFAULT_PRESET}' V4.1 preset with random weights (seed {seed}) "
-                           "and a byte-level tokenizer - not a trained model; pass --model for a checkpoint")
+        m = dsv41.load(NANO_DIR, dtype=dtype)
+        return ModelSource(m, Tokenizer.from_dir(NANO_DIR), DEFAULT_NAME,
+                           f"built-in default: nano-austen, a {_params(m)} V4.1 trained on five Jane Austen novels "
+                           f"(release formats, {NANO_DIR}); it writes Austen-like prose, not answers - pass --model "
+                           "for a checkpoint")
     path = Path(model)
     if path.is_dir():
         m = dsv41.load(path, dtype=dtype)
@@ -64,3 +67,7 @@ def _load(model: str | None, dtype: str, seed: int) -> ModelSource:
                            f"preset '{model}' with random weights (seed {seed}) and a byte-level tokenizer")
     raise ValueError(f"--model {model!r} is neither a checkpoint folder nor a preset "
                      f"({', '.join(sorted(dsv41.PRESETS))})")
+
+
+def _params(m: dsv41.Model) -> str:
+    return f"{sum(v.size for v in m.params.values()) / 1e6:.1f}M-parameter"

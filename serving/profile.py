@@ -1,6 +1,6 @@
 """`python -m serving.profile`: a trace of a few engine steps on a fixed workload, and where their time went.
 
-Loads a model as the server does (`--model`, default the built-in tiny model; the engine's flags too), runs an
+Loads a model as the server does (`--model`, default the built-in nano-austen; the engine's flags too), runs an
 in-process engine on `--batch` requests of `--input-len` random token ids (from `--seed`) each generating
 `--output-len` tokens, once to warm up (every bucket is precompiled when the engine is built; the warm-up takes the
 first-run costs out of the trace), then again with a `jax.profiler` trace around the first `--steps` steps. Prints

@@ -1,4 +1,4 @@
-"""The notebooks (every notebooks/*.ipynb) run top to bottom on the built-in default model without an error, and
+"""The notebooks (every notebooks/*.ipynb) run top to bottom without an error, and
 are committed without outputs. They run as `make notebooks` runs them (tools/run_notebooks.py): nbclient, a
 kernel of this interpreter started in the repository root with the root on PYTHONPATH. A failure names the
 notebook and the failing cell, with the cell's source and its traceback."""

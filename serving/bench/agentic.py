@@ -1,7 +1,7 @@
 """`python -m serving.bench.agentic`: an AgentX-style agentic benchmark (serving spec §7) over concurrencies
 and server variants; prints a table per point and one for the sweep, writes one JSON and a PNG of plots.
 
-    # starts `python -m serving.server` (built-in tiny model) once per distinct set of server flags
+    # starts `python -m serving.server --model tiny` (or --checkpoint) once per distinct set of server flags
     python -m serving.bench.agentic --concurrency 1,2,4 --duration-s 30 --variants replay-on,replay-off
     # data-parallel routing on 2 virtual CPU devices, and the mirror / lag experiment
     python -m serving.bench.agentic --concurrency 1,2 --num-sessions 8 --variants dp-sticky,dp-load --dp-mirror
@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", default=None, help="an existing server (default: start our server per variant)")
     p.add_argument("--model", default=None, help="model name to request (default: the first of /v1/models)")
-    p.add_argument("--checkpoint", default=None, help="the started server's --model (default: built-in tiny)")
+    p.add_argument("--checkpoint", default="tiny", help="the started server's --model (default: the tiny preset, "
+                   "which the workload's CPU scale is sized for)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--concurrency", default="1,2,4", help="lanes per point, comma-separated (mirror: per rank)")
     p.add_argument("--duration-s", type=float, default=None, help="profile length per point (no send after it)")
@@ -176,7 +177,7 @@ def run_sweep(args: argparse.Namespace, echo=print) -> dict:
     result = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                            if k != "api_key"},
               "workload": dataclasses.asdict(config),
-              "title": (f"agentic sweep: {args.checkpoint or 'built-in tiny model'}, seed {args.seed}, "
+              "title": (f"agentic sweep: {args.checkpoint}, seed {args.seed}, "
                         f"{'%g s' % args.duration_s if args.duration_s else f'{args.num_sessions} trees'} per point"),
               "variants": []}
     groups: dict[tuple[str, ...], list[Variant]] = {}

@@ -1,7 +1,7 @@
 """Synthetic agentic (AgentX-style) workload: session trees of token-id conversations (serving spec §7.4).
 
 Pure Python + NumPy (plus `workloads.Turn`); a tree is a function of (config, seed, tree index, salt) only.
-Defaults are scaled to what the built-in tiny model serves on a CPU in seconds; `SCALES["agentx"]` holds
+Defaults are scaled to what the tiny preset serves on a CPU in seconds; `SCALES["agentx"]` holds
 AgentX's published medians (43 turns, ~444 output tokens, 64-token blocks, 44% of sessions with subagents,
 10-s idle cap) and every field is a flag of `python -m serving.bench.agentic`.
 

@@ -47,8 +47,8 @@ def bare(args) -> dict:
     from serving.runtime.runner import Runner, enable_compilation_cache
 
     enable_compilation_cache(args.compilation_cache_dir)
-    model = (dsv41.random_model(args.model or "tiny", dtype=args.dtype)
-             if args.model is None or args.model in dsv41.PRESETS else dsv41.load(args.model, dtype=args.dtype))
+    model = (dsv41.random_model(args.model, dtype=args.dtype) if args.model in dsv41.PRESETS
+             else dsv41.load(args.model, dtype=args.dtype))
     r = Runner(model, _engine_args(args).runtime, progress=False)
     r.precompile()
     tps = bench_decode(r, args.batch, args.context, args.steps, model.config.vocab_size, args.profile_dir,
@@ -93,7 +93,7 @@ def served(args) -> dict:
                 time.sleep(0.5)
         import dsv41
 
-        vocab = dsv41.load_config(args.model or "tiny").vocab_size
+        vocab = dsv41.load_config(args.model).vocab_size
         prompts = [[int(t) for t in np.random.default_rng(1000 + i).integers(3, vocab, args.context)]
                    for i in range(args.batch)]
 
@@ -123,7 +123,7 @@ def served(args) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m serving.bench.decode_overhead", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="preset or checkpoint (default: the built-in tiny model)")
+    ap.add_argument("--model", default="tiny", help="preset or checkpoint (default: the tiny preset)")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--steps", type=int, default=64)
@@ -141,9 +141,9 @@ def main(argv=None) -> int:
     b = bare(args)
     s = served(args)
     ratio = s["tokens_per_s"] / b["tokens_per_s"]
-    res = {"model": args.model or "tiny (built-in)", "batch": args.batch, "context": args.context,
+    res = {"model": args.model, "batch": args.batch, "context": args.context,
            "steps": args.steps, "dtype": args.dtype, "bare": b, "served": s, "served_over_bare": ratio}
-    print(f"decode at batch {args.batch}, context {args.context}, {args.model or 'tiny'} ({args.dtype})")
+    print(f"decode at batch {args.batch}, context {args.context}, {args.model} ({args.dtype})")
     print(f"{'':8} {'tokens/s':>10} {'ms/step':>8}")
     print(f"{'bare':8} {b['tokens_per_s']:10.1f} {b['step_ms']:8.2f}")
     print(f"{'served':8} {s['tokens_per_s']:10.1f} {1000 * args.batch / s['tokens_per_s']:8.2f}")

@@ -1,4 +1,4 @@
-"""`python -m serving.profile` end to end on the built-in tiny model: a trace of a few engine steps, and tables
+"""`python -m serving.profile` end to end on the tiny preset: a trace of a few engine steps, and tables
 (printed and JSON) that split the time by engine phase, segment, layer and op."""
 
 import json
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PHASES = {"engine.step", "engine.schedule", "runner.build", "runner.segment1", "runner.segment2", "runner.sample",
           "runner.readback", "engine.detokenize"}
 # one 16-row bucket: 3 compiled functions, so the engine builds quickly from the persistent cache
-FLAGS = ["--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--token-buckets", "16", "--max-model-len", "64",
+FLAGS = ["--model", "tiny", "--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--token-buckets", "16", "--max-model-len", "64",
          "--block-size", "16", "--compilation-cache-dir", str(XLA_CACHE)]
 
 

@@ -1,4 +1,4 @@
-"""The agentic sweep end to end: our server (built-in tiny model, compiled steps from the shared XLA cache)
+"""The agentic sweep end to end: our server (tiny preset, compiled steps from the shared XLA cache)
 started and stopped by the sweep, two concurrencies of a few seconds each with no errors, the tables, the
 JSON and the plot; and flags that are wrong are named before any server starts."""
 
