@@ -86,8 +86,9 @@ def _worker(args: argparse.Namespace) -> None:
 def launch(args: argparse.Namespace, passthrough: list[str]) -> int:
     """Start the processes, forward process 0's output, fail if any fails (the others are then stopped)."""
     coordinator = f"127.0.0.1:{free_port()}"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={args.devices_per_process}"}
+    keep = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",  # the caller's other XLA flags stay
+           "XLA_FLAGS": " ".join([*keep, f"--xla_force_host_platform_device_count={args.devices_per_process}"])}
     procs = [subprocess.Popen([sys.executable, "-m", "serving.launch", "--worker", "--process-id", str(i),
                                "--num-processes", str(args.num_processes), "--coordinator", coordinator, *passthrough],
                               env=env, stdout=subprocess.PIPE if i == 0 else subprocess.DEVNULL, text=True)

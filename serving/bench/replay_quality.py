@@ -223,12 +223,19 @@ def markdown(tables: dict[int, list[dict]], S: int, n: dict[int, int]) -> str:
 
 def run_study(model: dsv41.Model, passages_by_length: dict[int, np.ndarray], *, continuation: int = 64,
               fractions: Sequence[float] = (0.25, 0.5, 0.75), chunk: int = 512, block_size: int = 64,
-              unigram=None, progress: bool = True) -> dict:
-    """`passages_by_length`: L -> int [n, L] token ids. `unigram(ids) -> NLLs` adds the baseline row."""
+              unigram=None, progress: bool = True, study: ReplayStudy | None = None) -> dict:
+    """`passages_by_length`: L -> int [n, L] token ids. `unigram(ids) -> NLLs` adds the baseline row. `study`: an
+    existing ReplayStudy of the same model to run on (its compiled buckets), else one sized for these passages."""
     W = model.config.sliding_window
     modes = {L: study_modes(L - continuation, fractions, block_size, W) for L in passages_by_length}
-    study = ReplayStudy(model, max_modes=max(len(m) for m in modes.values()), max_len=max(passages_by_length),
-                        continuation=continuation, chunk=chunk, block_size=block_size, progress=progress)
+    max_modes, max_len = max(len(m) for m in modes.values()), max(passages_by_length)
+    if study is None:
+        study = ReplayStudy(model, max_modes=max_modes, max_len=max_len, continuation=continuation, chunk=chunk,
+                            block_size=block_size, progress=progress)
+    elif (study.max_modes < max_modes or study.runner.rc.max_model_len < max_len or study.S != continuation
+          or (study.chunk, study.block_size) != (chunk, block_size)):
+        raise ValueError(f"the given ReplayStudy does not fit {max_modes} modes of {max_len}-token passages "
+                         f"(continuation {continuation}, chunk {chunk}, block size {block_size})")
     tables, seconds = {}, {}
     for L, rows in passages_by_length.items():
         t = time.perf_counter()

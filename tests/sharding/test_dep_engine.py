@@ -6,7 +6,6 @@ the weights migrate between steps without recompiling, and the balancedness and 
 the rendered /metrics registry. Also: EPLB without expert parallelism is refused by name."""
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import pytest
 import dsv41
 from serving.engine.args import EngineArgs
 from serving.engine.engine import Engine
-from tests.conftest import HANG_TIMEOUT_S, XLA_CACHE
+from tests.conftest import HANG_TIMEOUT_S, XLA_CACHE, xla_env
 from tests.sharding.dep_engine_worker import INTERVAL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def served():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = xla_env(8)
     proc = subprocess.run([sys.executable, "-m", "tests.sharding.dep_engine_worker", "--compilation-cache-dir",
                            str(XLA_CACHE)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=HANG_TIMEOUT_S)

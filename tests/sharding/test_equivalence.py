@@ -8,20 +8,20 @@ dp4 x ep2 / DEP8, and small's DEP dp=2 x ep=4 prefill; the rest:
 Expert parallelism alone (DEP8) is bit-exact; layouts with tp > 1 are within float32 noise."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from tests.conftest import HANG_TIMEOUT_S
+
+from tests.conftest import HANG_TIMEOUT_S, xla_env
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-5
 
 
 def _worker(*args: str) -> dict:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = xla_env(8)
     proc = subprocess.run([sys.executable, "-m", "tests.sharding.equivalence_worker", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -3,17 +3,17 @@ on rank 1 gives the reference-ops model's logits, and each tp rank's attention k
 the heads (a subprocess with 4 virtual devices)."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
-from tests.conftest import HANG_TIMEOUT_S
+
+from tests.conftest import HANG_TIMEOUT_S, xla_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_pallas_kernels_run_per_rank():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    env = xla_env(4)
     proc = subprocess.run([sys.executable, "-m", "tests.sharding.pallas_dep_worker"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]

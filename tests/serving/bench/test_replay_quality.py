@@ -58,9 +58,10 @@ def test_modes_against_the_exact_forward(study, passages):
 
 
 def test_run_study_json_and_table(study, passages, tmp_path):
-    model, _ = study
+    model, st = study
     result = rq.run_study(model, {L: passages}, continuation=S, fractions=(0.5,), chunk=128, block_size=16,
-                          unigram=lambda ids: np.full(len(ids), np.log(model.config.vocab_size)), progress=False)
+                          unigram=lambda ids: np.full(len(ids), np.log(model.config.vocab_size)), progress=False,
+                          study=st)
     rows = result["tables"][L]
     assert [r["mode"] for r in rows] == ["exact", "decoder", "encoder@32", "both@32", "unigram"]
     assert rows[-1]["ppl"] == pytest.approx(model.config.vocab_size)
@@ -68,5 +69,7 @@ def test_run_study_json_and_table(study, passages, tmp_path):
         assert {"nll", "nll_se", "delta_nll", "delta_se", "delta_in_exact_se", "within_1p5_se",
                 "greedy_agreement"} <= set(r)
     json.loads(json.dumps(result))
+    with pytest.raises(ValueError, match="does not fit"):
+        rq.run_study(model, {2 * L: passages}, continuation=S, chunk=128, block_size=16, study=st)
     table = rq.markdown(result["tables"], S, result["passages"])
     assert "both@32" in table and "unigram" in table
