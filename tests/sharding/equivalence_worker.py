@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -24,6 +27,18 @@ LAYOUTS = {  # name -> (tensor_parallel_size, data_parallel_size, enable_expert_
     "dp2tp4": (4, 2, False, None),  # data-parallel attention, experts tensor-parallel over all 8 devices
 }
 PROMPT, DECODE = 16, 3
+
+
+def run(*args: str) -> dict:
+    """This worker in a subprocess on 8 virtual CPU devices (the calling process may have initialised jax with
+    another device count) -> its JSON."""
+    from tests.conftest import HANG_TIMEOUT_S, xla_env
+
+    proc = subprocess.run([sys.executable, "-m", "tests.sharding.equivalence_worker", *args], check=False,
+                          cwd=Path(__file__).resolve().parents[2], env=xla_env(8), capture_output=True, text=True,
+                          timeout=HANG_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
