@@ -100,7 +100,7 @@ def export(run: Path, out: Path, data: Path, *, eval_windows_n: int = 8, seq_len
     nll_trained, nll_exported = heldout_nll(trained, windows), heldout_nll(exported, windows)
     unigram = nano.unigram_nll(windows[:, 1:], out)
     report = {
-        "run": str(run), "exported": time.strftime("%Y-%m-%d"),
+        "run": run.name, "exported": time.strftime("%Y-%m-%d"),
         "files_bytes": {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()},
         "check_release_vs_quantized_params": {"max_abs_param_diff": param_diff, "max_abs_logit_diff": logit_diff,
                                               "windows": 2, "tokens_per_window": seq_len},

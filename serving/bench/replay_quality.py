@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+from scipy.special import log_softmax
 
 import dsv41
 from serving.runtime.batch import SeqChunk
@@ -163,7 +164,7 @@ class ReplayStudy:
                                [GREEDY] * len(score))
         logprobs = {}
         for i, (m, r) in enumerate(zip(modes, score)):
-            first = last[r["slot"]] - _logsumexp(last[r["slot"]])
+            first = log_softmax(last[r["slot"]])
             logprobs[m.name] = np.concatenate([[first[tokens[L - S]]], out.prompt_logprobs[i].logprob[: S - 1]])
 
         greedy = [reqs["greedy", m.name] for m in modes]
@@ -173,11 +174,6 @@ class ReplayStudy:
             for ids, row in zip(seqs, np.asarray(self.runner.forward(step))):
                 ids.append(int(np.argmax(row)))
         return PassageResult(logprobs, {m.name: np.array(ids[L - S:]) for m, ids in zip(modes, seqs)})
-
-
-def _logsumexp(x: np.ndarray) -> float:
-    m = x.max()
-    return float(m + np.log(np.exp(x - m).sum()))
 
 
 def summarize(results: Sequence[PassageResult], unigram: np.ndarray | None = None) -> list[dict]:

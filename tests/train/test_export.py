@@ -43,6 +43,7 @@ def test_export_writes_release_formats_equal_to_the_quantized_parameters(tmp_pat
     path = ("layers", 3, "attn", "wo_b", "weight")
     w, q = np.asarray(model.params[path]), np.asarray(exported.params[path])
     assert 0 < np.abs(w - q).max() <= np.abs(w).max() / 8  # e4m3: 3 mantissa bits
+    assert report["run"] == "run"  # the folder's name: a committed report names no machine path
     assert report["heldout"]["ppl_exported_release"] > 0 and (tmp_path / "out" / "export.json").is_file()
     assert np.array_equal(nano.heldout_tokens(tmp_path / "out"), nano.heldout_tokens())
 
