@@ -5,7 +5,7 @@
     logits = model.logits([0, 17, 5])                            # [T, vocab] float32
 """
 
-from dsv41.api import Model, abstract_params, load, random_model
+from dsv41.api import Model, abstract_params, auto_dtype, load, random_model
 from dsv41.config import PRESETS, ConfigError, LayerRole, ModelConfig, load_config
 from dsv41.safetensors_io import CheckpointError
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsv41 import checkpoint, converted
+from dsv41 import checkpoint, converted, weight_formats
 from dsv41.config import ModelConfig, load_config
 from dsv41.init import random_params
 from dsv41.layers.engram import EngramLayout, build_compressed_token_map
@@ -26,10 +26,13 @@ from dsv41.safetensors_io import CheckpointError, open_checkpoint
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-def abstract_params(c: ModelConfig, dtype=jnp.float32, engram_fp8: bool = False
+def abstract_params(c: ModelConfig, dtype=jnp.float32, engram_fp8: bool = False,
+                    formats: weight_formats.Formats | None = None
                     ) -> tuple[nnx.GraphDef, dict[tuple, jax.ShapeDtypeStruct]]:
-    """Graph definition and {path: ShapeDtypeStruct} of every parameter, without allocating."""
-    abstract = nnx.eval_shape(lambda: Transformer(c, dtype=dtype, engram_fp8=engram_fp8))
+    """Graph definition and {path: ShapeDtypeStruct} of every parameter, without allocating; `formats` keeps
+    those modules' weights in their release formats (`dsv41.weight_formats`)."""
+    abstract = nnx.eval_shape(lambda: weight_formats.apply(Transformer(c, dtype=dtype, engram_fp8=engram_fp8),
+                                                           formats or {}))
     graphdef, state = nnx.split(abstract)
     flat = {tuple(k): v.get_value() for k, v in nnx.to_flat_state(state)}
     return graphdef, flat
@@ -55,7 +58,8 @@ class Model:
     def __init__(self, config: ModelConfig, params: dict[tuple, jax.Array], *, dtype=jnp.float32,
                  token_map: np.ndarray | None = None):
         self.config, self.dtype = config, jnp.dtype(dtype)
-        graphdef, abstract = abstract_params(config, dtype, _has_fp8_engram_table(params))
+        self.formats = weight_formats.of_params(config, params)
+        graphdef, abstract = abstract_params(config, dtype, _has_fp8_engram_table(params), self.formats)
         missing = set(abstract) - set(params)
         if missing:
             raise CheckpointError(f"no value for parameter {'.'.join(map(str, sorted(missing, key=str)[0]))}")
@@ -106,7 +110,16 @@ class Model:
     def save_converted(self, folder: str | Path) -> None:
         """Save the loaded parameters with Orbax; `load(folder)` then restores them without dequantizing."""
         converted.save_converted(folder, self.config, self.params, self.dtype.name, self.token_map,
-                                 _has_fp8_engram_table(self.params))
+                                 _has_fp8_engram_table(self.params), self.formats)
+
+    @property
+    def num_parameters(self) -> int:
+        """Model parameters (a packed MXFP4 byte holds two; scale bytes are not parameters)."""
+        return sum(weight_formats.logical_size(p, a) for p, a in self.params.items())
+
+    def device_bytes(self) -> int:
+        """Bytes the parameters occupy (all devices, all shards)."""
+        return sum(a.nbytes for a in self.params.values())
 
     def engram_hashes(self, ids_T: np.ndarray) -> np.ndarray | None:
         return None if self.engram is None else self.engram.hash_ids(ids_T, self.token_map)
@@ -153,21 +166,34 @@ class Model:
         return {s: (np.asarray(r), np.asarray(k)) for s, (r, k) in out.items()}
 
 
-def load(path: str | Path, dtype: str | jnp.dtype | None = None) -> Model:
-    """A release checkpoint folder (config.json + safetensors) -> Model in the compute dtype (default
-    float32), or a folder written by `Model.save_converted` (in the dtype it was saved with)."""
+def load(path: str | Path, dtype: str | jnp.dtype | None = None, *, weights: str = "release") -> Model:
+    """A release checkpoint folder (config.json + safetensors) -> Model, or a folder written by
+    `Model.save_converted` (in the dtype and formats it was saved with).
+
+    dtype: the compute dtype, "float32" (the default: exactness work) | "bfloat16" | "auto" (`auto_dtype`).
+    weights: "release" keeps FP8 linears and MXFP4 experts in those formats on the device, decoded where they
+    are used (`dsv41.weight_formats`); "dequantize" decodes them to the compute dtype at load."""
     folder = Path(path)
     config = load_config(folder)
+    if weights not in ("release", "dequantize"):
+        raise ValueError(f"weights must be 'release' or 'dequantize', got {weights!r}")
     if converted.is_converted(folder):
-        saved = converted.converted_meta(folder)["dtype"]
-        if dtype is not None and jnp.dtype(DTYPES.get(dtype, dtype)) != jnp.dtype(DTYPES[saved]):
+        meta = converted.converted_meta(folder)
+        saved = meta["dtype"]
+        if dtype not in (None, "auto") and jnp.dtype(DTYPES.get(dtype, dtype)) != jnp.dtype(DTYPES[saved]):
             raise CheckpointError(f"{folder} was converted to {saved}; load it with dtype={saved!r}")
-        _, abstract = abstract_params(config, DTYPES[saved], converted.converted_meta(folder)["engram_fp8"])
+        formats = weight_formats.from_json(meta.get("formats", []))
+        _, abstract = abstract_params(config, DTYPES[saved], meta["engram_fp8"], formats)
         params, token_map = converted.load_converted(folder, abstract)
         return Model(config, params, dtype=DTYPES[saved], token_map=token_map)
-    dt = DTYPES[dtype or "float32"] if isinstance(dtype, (str, type(None))) else dtype
     entries = open_checkpoint(folder)
-    _, abstract = abstract_params(config, dt, _has_fp8_engram_table(n.split(".") for n in entries))
+    dt = resolve_dtype(dtype or "float32", entries)
+    engram_fp8 = _has_fp8_engram_table(n.split(".") for n in entries)
+    formats = {}
+    if weights == "release":
+        _, dense = abstract_params(config, dt, engram_fp8)
+        formats = weight_formats.from_checkpoint(config, entries, checkpoint.release_names(config, list(dense)))
+    _, abstract = abstract_params(config, dt, engram_fp8, formats)
     params, _ = checkpoint.load_params(folder, config, abstract)
     token_map = None
     if config.engram_layer_ids and (folder / "tokenizer.json").exists():
@@ -177,6 +203,44 @@ def load(path: str | Path, dtype: str | jnp.dtype | None = None) -> Model:
             raise CheckpointError(f"tokenizer.json gives {size} compressed Engram ids but "
                                   f"engram_compressed_vocab_size is {config.engram_compressed_vocab_size}")
     return Model(config, params, dtype=dt, token_map=token_map)
+
+
+def resolve_dtype(dtype: str | jnp.dtype, entries: dict | None = None) -> jnp.dtype:
+    """A compute dtype name ("float32" | "bfloat16" | "auto") or dtype -> the dtype; "auto" = `auto_dtype`."""
+    if not isinstance(dtype, str):
+        return jnp.dtype(dtype)
+    if dtype == "auto":
+        return auto_dtype(entries or {})
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES) + ['auto']}, got {dtype!r}")
+    return jnp.dtype(DTYPES[dtype])
+
+
+def auto_dtype(entries: dict) -> jnp.dtype:
+    """The compute dtype `--dtype auto` picks for a checkpoint's tensors (`{name: TensorEntry}`).
+
+    Rule: the checkpoint's dtype - bfloat16 for a release checkpoint (FP8 / MXFP4 / BF16 tensors), float32 for
+    one stored in float32 - except that on a CPU without native bfloat16 matmuls (no AVX512-BF16 / AMX-BF16 /
+    Arm BF16; XLA:CPU then emulates them, slower than float32) it is float32."""
+    stored = {e.dtype for e in entries.values()}
+    wants_bf16 = bool(stored & {"BF16", "F16", "F8_E4M3", "I8"})
+    if wants_bf16 and jax.default_backend() == "cpu" and not cpu_has_native_bf16():
+        return jnp.dtype(jnp.float32)
+    return jnp.dtype(jnp.bfloat16 if wants_bf16 else jnp.float32)
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU has bfloat16 dot-product instructions (Linux /proc/cpuinfo flags)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags.update(line.split(":", 1)[1].split())
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def random_model(config: ModelConfig | str, seed: int = 0, dtype: str | jnp.dtype = "float32",

@@ -4,7 +4,8 @@ Every tensor of a checkpoint is classified: a model parameter (possibly one expe
 parameter), the `.scale` companion of an FP8 / MXFP4 weight, or a tensor a text-only model skips on
 purpose (vision tower, image embeddings, `gate.bias_vl`, V4's classic MTP, DSpark stages when
 `num_nextn_predict_layers` is 0). Anything else is an error naming the tensor, as is a missing one.
-Weights are dequantized to the compute dtype on the host one tensor at a time; the Engram table stays FP8.
+Tensors the device keeps in their release format (`weight_formats`: FP8 linears, MXFP4 experts, the FP8
+Engram table) are read as stored; the rest is decoded to the compute dtype on the host one tensor at a time.
 """
 
 from __future__ import annotations
@@ -20,7 +21,13 @@ import numpy as np
 
 from dsv41 import quant
 from dsv41.config import ModelConfig
-from dsv41.safetensors_io import CheckpointError, TensorEntry, open_checkpoint, write_checkpoint
+from dsv41.safetensors_io import (
+    CheckpointError,
+    TensorEntry,
+    open_checkpoint,
+    write_checkpoint,
+)
+from dsv41.weight_formats import weight_block
 
 Path_ = tuple  # a parameter path in the NNX state, e.g. ("layers", 3, "attn", "wq_a", "weight")
 
@@ -42,8 +49,9 @@ class Target:
 def _block_names(prefix: str, rest: Path_, n_experts: int) -> list[tuple[str, Target]]:
     if rest[0] in ("hc_attn", "hc_ffn"):
         return [(f"{prefix}{rest[0]}_{rest[1]}", None)]
-    if rest[:2] == ("ffn", "experts"):
-        return [(f"{prefix}ffn.experts.{e}.{rest[2]}.weight", e) for e in range(n_experts)]
+    if rest[:2] == ("ffn", "experts"):  # w1 or its MXFP4 exponents w1_scale -> experts.e.w1.weight / .scale
+        w, _, leaf = rest[2].partition("_")
+        return [(f"{prefix}ffn.experts.{e}.{w}.{leaf or 'weight'}", e) for e in range(n_experts)]
     return [(prefix + ".".join(str(p) for p in rest), None)]
 
 
@@ -61,8 +69,8 @@ def release_names(c: ModelConfig, paths: list[Path_]) -> dict[str, Target]:
             names = _block_names(f"layers.{path[1]}.", path[2:], c.n_routed_experts)
         elif head == "dspark" and path[1] == "blocks":
             names = _block_names(f"mtp.{path[2]}.", path[3:], c.dspark_n_routed_experts)
-        elif head == "dspark":
-            names = [(dspark_heads[path[1]], None)]
+        elif head == "dspark":  # a head's weight, or the FP8 scale of main_proj
+            names = [(dspark_heads[path[1]].removesuffix("weight") + str(path[-1]), None)]
         elif head == "hc_head":
             names = [(f"hc_head_{path[1]}", None)]
         else:
@@ -83,26 +91,20 @@ def _skip_reason(name: str, c: ModelConfig) -> str | None:
     return None
 
 
-def _weight_block(c: ModelConfig, name: str, w_shape: tuple, s_shape: tuple) -> tuple[int, int]:
-    wbs = (c.quantization or {}).get("weight_block_size")
-    candidates = [tuple(wbs)] if wbs else [(32, 32), (128, 128), (64, 64)]
-    for b in candidates:
-        if s_shape == (-(-w_shape[0] // b[0]), -(-w_shape[1] // b[1])):
-            return b
-    raise CheckpointError(f"tensor {name}.scale has shape {list(s_shape)}, which matches no FP8 block size "
-                          f"{candidates} for weight shape {list(w_shape)}")
-
-
 def decode_tensor(c: ModelConfig, name: str, entry: TensorEntry, entries: dict[str, TensorEntry],
                   target_dtype: np.dtype) -> np.ndarray:
     """A checkpoint tensor as a NumPy array of `target_dtype` (dequantizing FP8 / MXFP4 weights)."""
     raw = entry.read()
     if target_dtype == np.dtype(ml_dtypes.float8_e4m3fn) or target_dtype == np.dtype(np.uint8):
-        # FP8 Engram table kept as stored: e4m3 rows and their UE8M0 exponent bytes.
-        want = ("F8_E4M3",) if target_dtype != np.dtype(np.uint8) else ("F8_E8M0", "U8")
+        # Kept as stored (weight_formats): e4m3 values, UE8M0 exponent bytes, packed MXFP4 bytes.
+        if target_dtype != np.dtype(np.uint8):
+            want = ("F8_E4M3",)
+        else:
+            want = ("F8_E8M0", "U8") if name.endswith(".scale") else ("I8",)
         if entry.dtype not in want:
             raise CheckpointError(f"tensor {name} must be {' or '.join(want)}, got {entry.dtype}")
-        return np.asarray(raw)
+        raw = np.asarray(raw)
+        return raw.view(np.uint8) if target_dtype == np.dtype(np.uint8) else raw
     if entry.dtype in ("F8_E4M3", "I8") and not np.issubdtype(target_dtype, np.integer):
         scale_name = name[: -len(".weight")] + ".scale" if name.endswith(".weight") else name + ".scale"
         if scale_name not in entries:
@@ -110,7 +112,7 @@ def decode_tensor(c: ModelConfig, name: str, entry: TensorEntry, entries: dict[s
         scale = entries[scale_name].read()
         if entry.dtype == "I8":
             return quant.dequantize_mxfp4(np.asarray(raw), np.asarray(scale)).astype(target_dtype)
-        block = _weight_block(c, name, entry.shape, tuple(scale.shape))
+        block = weight_block(c, name, entry.shape, tuple(scale.shape))
         return quant.dequantize_fp8_blocks(np.asarray(raw), np.asarray(scale), block).astype(target_dtype)
     if np.issubdtype(target_dtype, np.integer) != (entry.dtype in ("I64", "I32", "I16", "I8", "U8")):
         kind = "an integer" if np.issubdtype(target_dtype, np.integer) else "a floating-point"
@@ -188,9 +190,11 @@ def export_tensors(c: ModelConfig, params: dict[Path_, np.ndarray], *, quantize:
     for name, t in release_names(c, list(params)).items():
         a = np.asarray(params[t.path])
         a = a[t.expert] if t.expert is not None else a
-        if np.issubdtype(a.dtype, np.integer) or a.dtype == ml_dtypes.float8_e4m3fn:
-            if name.endswith("embed.scale"):
+        if np.issubdtype(a.dtype, np.integer) or a.dtype == ml_dtypes.float8_e4m3fn:  # already in release format
+            if name.endswith(".scale") and a.dtype == np.uint8:
                 e8m0.add(name)
+            elif a.dtype == np.uint8:  # packed MXFP4 experts: I8 in the release
+                a = a.view(np.int8)
             tensors[name] = a
         elif not quantize:
             tensors[name] = a

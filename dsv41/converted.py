@@ -1,8 +1,9 @@
-"""A converted checkpoint: the loaded parameters (already dequantized to the compute dtype; the Engram
-table stays FP8) saved with Orbax, so restarting skips parsing and dequantizing the release files.
+"""A converted checkpoint: the loaded parameters as the device holds them (the compute dtype, and the release
+formats `dsv41.weight_formats` kept: FP8 linears, MXFP4 experts, the FP8 Engram table) saved with Orbax, so
+restarting skips parsing the release files.
 
-Layout: `config.json` (release style), `dsv41_converted.json` (compute dtype, format version) and an
-Orbax `params/` tree keyed by the dotted parameter path.
+Layout: `config.json` (release style), `dsv41_converted.json` (compute dtype, weight formats, format version)
+and an Orbax `params/` tree keyed by the dotted parameter path.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from dsv41 import weight_formats
 from dsv41.config import ModelConfig
 
 MARKER = "dsv41_converted.json"
@@ -25,7 +27,7 @@ def _key(path: tuple) -> str:
 
 
 def save_converted(folder: str | Path, config: ModelConfig, params: dict[tuple, jax.Array], dtype: str,
-                   token_map: np.ndarray | None, engram_fp8: bool) -> None:
+                   token_map: np.ndarray | None, engram_fp8: bool, formats: dict | None = None) -> None:
     folder = Path(folder).absolute()
     folder.mkdir(parents=True, exist_ok=True)
     tree = {_key(p): v for p, v in params.items()}
@@ -36,7 +38,8 @@ def save_converted(folder: str | Path, config: ModelConfig, params: dict[tuple, 
     ckpt.wait_until_finished()
     (folder / "config.json").write_text(json.dumps(config.to_release_dict(), indent=1))
     (folder / MARKER).write_text(json.dumps({"format": 1, "dtype": dtype, "engram_fp8": engram_fp8,
-                                             "token_map": token_map is not None}))
+                                             "token_map": token_map is not None,
+                                             "formats": weight_formats.to_json(formats or {})}))
 
 
 def is_converted(folder: str | Path) -> bool:

@@ -41,7 +41,7 @@ class DSpark(nnx.Module):
 
     def combine(self, features_TkD: jax.Array) -> jax.Array:
         """main_x [T, D] = main_norm(main_proj(concat of the target features [T, k, D]))."""
-        x = features_TkD.reshape(features_TkD.shape[0], -1).astype(self.main_proj.weight.dtype)
+        x = features_TkD.reshape(features_TkD.shape[0], -1).astype(self.main_proj.dtype)
         return self.main_norm(self.main_proj(x))
 
     def context_kv(self, main_x_TD: jax.Array, positions_T: jax.Array, fake_quant: bool = False

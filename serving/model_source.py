@@ -13,7 +13,7 @@ from dsv41.nano import NANO_DIR
 from serving.text.tokenizer import Tokenizer, byte_level_tokenizer
 
 DEFAULT_NAME = "dsv41-nano-austen"
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,9 @@ class ModelArgs:
                 "the built-in nano-austen, a nano V4.1 trained on Jane Austen"})
     served_model_name: str | None = field(default=None, metadata={
         "help": "model id clients send (default: the folder or preset name)"})
-    dtype: str = field(default="float32", metadata={"choices": DTYPES, "help": "compute dtype of the weights"})
+    dtype: str = field(default="auto", metadata={"choices": DTYPES, "help": (
+        "compute dtype; auto = the checkpoint's (bfloat16 for a release checkpoint, float32 for one stored in "
+        "float32 and for presets), but float32 on a CPU without native bfloat16 matmuls (dsv41.auto_dtype)")})
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -45,6 +47,7 @@ def load_model(args: ModelArgs, seed: int = 0) -> ModelSource:
     """The model, its tokenizer and its served name; `seed` draws a preset's random weights."""
     src = _load(args.model, args.dtype, seed)
     src.name = args.served_model_name or src.name
+    src.description += f"; {_weights(src.model)}"
     return src
 
 
@@ -62,7 +65,7 @@ def _load(model: str | None, dtype: str, seed: int) -> ModelSource:
         note = "" if tok else " (no tokenizer.json: token-id prompts only)"
         return ModelSource(m, tok, path.name, f"checkpoint {path}{note}")
     if model in dsv41.PRESETS:
-        m = dsv41.random_model(model, seed=seed, dtype=dtype)
+        m = dsv41.random_model(model, seed=seed, dtype="float32" if dtype == "auto" else dtype)
         return ModelSource(m, byte_level_tokenizer(m.config.vocab_size), f"dsv41-{model}",
                            f"preset '{model}' with random weights (seed {seed}) and a byte-level tokenizer")
     raise ValueError(f"--model {model!r} is neither a checkpoint folder nor a preset "
@@ -70,4 +73,10 @@ def _load(model: str | None, dtype: str, seed: int) -> ModelSource:
 
 
 def _params(m: dsv41.Model) -> str:
-    return f"{sum(v.size for v in m.params.values()) / 1e6:.1f}M-parameter"
+    return f"{m.num_parameters / 1e6:.1f}M-parameter"
+
+
+def _weights(m: dsv41.Model) -> str:
+    kinds = sorted({f[0].upper() for f in m.formats.values()})
+    kept = f"{' and '.join(kinds)} weights kept in their release formats, " if kinds else ""
+    return f"compute dtype {m.dtype.name}, {kept}{m.device_bytes() / 2**20:.1f} MiB of parameters on the device"

@@ -86,7 +86,7 @@ class ExpertDispatch:
         y = jax.shard_map(body, mesh=None if manual else self.mesh,
                           in_specs=(tok, tok, tok, P(split), e_spec, e_spec, P(split, None, inter)),
                           out_specs=tok, axis_names=set(MESH_AXES) - manual, check_vma=False)(
-            x, sel, w, valid, experts.w1[...], experts.w3[...], experts.w2[...])
+            x, sel, w, valid, *experts.weights())
         if gather:
             y = jax.lax.dynamic_slice_in_dim(y, jax.lax.axis_index(gather) * T_pad, T_pad)
         if not manual:

@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import dsv41
-from dsv41.layers.moe import MoE
+from dsv41.layers.moe import Experts, MoE
 from dsv41.model import forward
 from sharding import rules
 from sharding.expert_dispatch import ExpertDispatch
@@ -41,11 +41,14 @@ class ShardedModel:
         self.parallel, self.mesh = pc, mesh if mesh is not None else make_mesh(pc)
         self.base = model
         self.config, self.dtype, self.engram, self.token_map = model.config, model.dtype, model.engram, model.token_map
-        shapes = {p: tuple(a.shape) for p, a in model.params.items()}
+        module = nnx.merge(*nnx.split(model.module))  # new module objects over the same arrays
+        self.decoded_experts = decode_unsplittable_experts(module, self.mesh, model.dtype)
+        graphdef, state = nnx.split(module)
+        host = {tuple(k): v.get_value() for k, v in nnx.to_flat_state(state)}
+        shapes = {p: tuple(a.shape) for p, a in host.items()}
         self.shardings = rules.param_shardings(self.mesh, shapes)
         self.replicated_fallbacks = rules.fallbacks(self.mesh, shapes)
-        self.params = {p: rules.place(a, self.shardings[p]) for p, a in model.params.items()}
-        graphdef, _ = nnx.split(model.module)
+        self.params = {p: rules.place(a, self.shardings[p]) for p, a in host.items()}
         self.module = nnx.merge(graphdef, nnx.from_flat_state([(p, nnx.Param(v)) for p, v in self.params.items()]))
         self.dispatch = ExpertDispatch(self.mesh, capacity_buckets)
         install_dispatch(self.module, self.dispatch)
@@ -61,8 +64,10 @@ class ShardedModel:
         table, count = placement.replicas(width=1 + placement.phys_to_log.shape[1] - self.config.n_routed_experts)
         for l, block in enumerate(self.module.layers):
             ex = block.ffn.experts
-            for name in ("w1", "w2", "w3"):
+            for name in ("w1", "w2", "w3", "w1_scale", "w2_scale", "w3_scale"):
                 path = ("layers", l, "ffn", "experts", name)
+                if path not in self.params:  # float experts have no exponent bytes
+                    continue
                 w = _gather_slots(self.params[path], placement.phys_to_log[l])
                 setattr(ex, name, nnx.Param(jax.device_put(w, self.shardings[path])))
             ex.eplb_replicas = nnx.Variable(rules.place(table[l], rules.replicated(self.mesh)))
@@ -102,6 +107,25 @@ class ShardedModel:
         h = self.base.engram_hashes(np.zeros(n_tokens, np.int64))
         hashes = None if h is None else jax.ShapeDtypeStruct(h.shape, jnp.asarray(h).dtype)
         return self._fn.lower(self._leaves, ids, hashes, fake_quant=False)
+
+
+def decode_unsplittable_experts(module: nnx.Module, mesh: Mesh, dtype) -> list[str]:
+    """MXFP4 experts whose exponent bytes (one per 32 input channels) cannot be split like their values on this
+    mesh - an expert-TP split of fewer than 32 intermediate channels, only in test-size models - are decoded to
+    `dtype` instead (the layout still runs, in more memory); returns their paths."""
+    out = []
+    for path, m in nnx.iter_modules(module):
+        if not isinstance(m, Experts) or m.weight_kind is None:
+            continue
+        for name in Experts.NAMES:
+            p = tuple(path) + (name,)
+            values, scales = getattr(m, name)[...].shape, getattr(m, name + "_scale")[...].shape
+            if (rules.to_spec(mesh, rules.param_logical(p), values)
+                    != rules.to_spec(mesh, rules.param_logical(p[:-1] + (name + "_scale",)), scales)):
+                m.store_float(dtype)
+                out.append(rules.path_key(tuple(path)))
+                break
+    return sorted(set(out))
 
 
 def install_dispatch(module: nnx.Module, dispatch: ExpertDispatch) -> int:

@@ -44,14 +44,16 @@ LOGICAL_TO_MESH: dict[str, tuple[str, ...]] = {
 # Parameter path (dot-joined, block index as *) -> logical axes of each dimension; first match wins.
 _BLOCK = r"(?:layers|dspark\.blocks)\.\*\."
 PARAM_RULES: tuple[tuple[str, Logical], ...] = (
-    (_BLOCK + r"attn\.wq_b\.weight", ("heads", None)),  # [H*d, q]: contiguous heads per rank
+    # An FP8 linear's `scale` [ceil(O/32), ceil(I/32)] and MXFP4 experts' packed bytes [E, O, I/2] and `_scale`
+    # [E, O, I/32] split like the float weight they encode.
+    (_BLOCK + r"attn\.wq_b\.(weight|scale)", ("heads", None)),  # [H*d, q]: contiguous heads per rank
     (_BLOCK + r"attn\.attn_sink", ("heads",)),  # [H]
-    (_BLOCK + r"attn\.wo_a\.weight", ("o_groups", None)),  # [G*o, H*d/G]: the rank's heads' groups
-    (_BLOCK + r"attn\.wo_b\.weight", (None, "o_groups")),  # [D, G*o]: partial sums -> all-reduce
-    (_BLOCK + r"ffn\.experts\.w[13]", ("experts", "expert_inter", None)),  # [E, I, D]
-    (_BLOCK + r"ffn\.experts\.w2", ("experts", None, "expert_inter")),  # [E, D, I]
-    (_BLOCK + r"ffn\.shared_experts\.w[13]\.weight", ("shared_inter", None)),  # [I, D]
-    (_BLOCK + r"ffn\.shared_experts\.w2\.weight", (None, "shared_inter")),  # [D, I]
+    (_BLOCK + r"attn\.wo_a\.(weight|scale)", ("o_groups", None)),  # [G*o, H*d/G]: the rank's heads' groups
+    (_BLOCK + r"attn\.wo_b\.(weight|scale)", (None, "o_groups")),  # [D, G*o]: partial sums -> all-reduce
+    (_BLOCK + r"ffn\.experts\.w[13](_scale)?", ("experts", "expert_inter", None)),  # [E, I, D]
+    (_BLOCK + r"ffn\.experts\.w2(_scale)?", ("experts", None, "expert_inter")),  # [E, D, I]
+    (_BLOCK + r"ffn\.shared_experts\.w[13]\.(weight|scale)", ("shared_inter", None)),  # [I, D]
+    (_BLOCK + r"ffn\.shared_experts\.w2\.(weight|scale)", (None, "shared_inter")),  # [D, I]
     (r"embed\.weight", ("vocab", None)),  # [V, D]
     (r"head\.weight", ("vocab", None)),  # [V, D]
 )
@@ -99,8 +101,17 @@ def to_spec(mesh: Mesh, logical: Logical | None, shape: tuple[int, ...]) -> P:
 
 
 def param_shardings(mesh: Mesh, shapes: dict[tuple, tuple[int, ...]]) -> dict[tuple, NamedSharding]:
-    """{parameter path: NamedSharding} from the table."""
-    return {p: NamedSharding(mesh, to_spec(mesh, param_logical(p), tuple(s))) for p, s in shapes.items()}
+    """{parameter path: NamedSharding} from the table. MXFP4 experts' exponent bytes must split exactly like their
+    values (the expert dispatch hands each rank its slices of both): a layout that would replicate one and not
+    the other is refused, naming the tensor."""
+    specs = {p: to_spec(mesh, param_logical(p), tuple(s)) for p, s in shapes.items()}
+    for p, spec in specs.items():
+        leaf = str(p[-1])
+        if leaf.endswith("_scale") and p[:-1] + (leaf[:-6],) in specs and specs[p[:-1] + (leaf[:-6],)] != spec:
+            raise ValueError(f"{path_key(p)} {list(shapes[p])} cannot be split like its values "
+                             f"({specs[p[:-1] + (leaf[:-6],)]}) on this mesh: the expert intermediate / 32 must "
+                             "divide by the expert tensor-parallel size")
+    return {p: NamedSharding(mesh, spec) for p, spec in specs.items()}
 
 
 def fallbacks(mesh: Mesh, shapes: dict[tuple, tuple[int, ...]]) -> list[str]:

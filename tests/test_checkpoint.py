@@ -152,7 +152,8 @@ def test_v4_quantized_round_trip_uses_128_blocks(tmp_path):
     assert entries["layers.1.attn.wq_b.scale"].shape == (1, 1)  # [128, 32] weight, 128x128 tiles
     assert entries["layers.0.ffn.gate.tid2eid"].dtype == "I32" and "layers.0.ffn.gate.bias" not in entries
     assert entries["layers.1.attn.indexer.compressor.ape"].dtype == "F32" and "hc_head_fn" in entries
-    back = dsv41.load(tmp_path)
+    back = dsv41.load(tmp_path, weights="dequantize")
+    assert dsv41.load(tmp_path).formats[("layers", 1, "attn", "wq_b")] == ("fp8", (128, 128))
     w = params[("layers", 1, "attn", "wq_b", "weight")]
     np.testing.assert_array_equal(np.asarray(back.params[("layers", 1, "attn", "wq_b", "weight")]),
                                   quant.dequantize_fp8_blocks(*quant.quantize_fp8_blocks(w, (128, 128)), (128, 128)))

@@ -77,7 +77,7 @@ class Attention(nnx.Module):
         """wo_a per group of heads, then wo_b, of the attention output after its inverse RoPE: [T, D]."""
         T = o_THd.shape[0]
         o = o_THd.astype(out_dtype)
-        w = self.wo_a.weight[...]
+        w = self.wo_a.matrix()
         og = o.reshape(T, self.o_groups, -1)
         z = jnp.einsum("tgi,goi->tgo", og.astype(w.dtype), w.reshape(self.o_groups, -1, og.shape[-1]),
                        preferred_element_type=jnp.float32, precision=matmul_precision(w.dtype))

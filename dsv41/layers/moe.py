@@ -15,6 +15,11 @@ from flax import nnx
 
 from dsv41.layers.basic import Linear, matmul_precision
 from pallas_kernels import resolve_impl
+from pallas_kernels.expert_weights import (
+    MXFP4_BLOCK,
+    QuantizedExperts,
+    reference_dequantize,
+)
 from pallas_kernels.moe_gmm import routed_experts
 from pallas_kernels.router import route
 
@@ -69,19 +74,49 @@ def set_kernel_impl(module: nnx.Module, impl: str) -> None:
 
 
 class Experts(nnx.Module):
-    """Routed experts stacked: w1, w3 [E, I, D], w2 [E, D, I] (release: ffn.experts.e.w{1,2,3})."""
+    """Routed experts stacked: w1, w3 [E, I, D], w2 [E, D, I] (release: ffn.experts.e.w{1,2,3}).
+
+    `store_mxfp4()` keeps them in the release's MXFP4 format on the device: `w1` = the packed e2m1 bytes
+    [E, I, D/2] and `w1_scale` the UE8M0 bytes [E, I, D/32] (likewise w3, w2), read by the grouped matmul,
+    which decodes the tiles it loads (`pallas_kernels.expert_weights`)."""
+
+    NAMES = ("w1", "w3", "w2")
 
     def __init__(self, n_experts: int, dim: int, inter: int, limit: float, *, dtype: jnp.dtype):
         self.limit = limit
         self.kernel_impl = "auto"
+        self.weight_kind: str | None = None  # None: float weights; "mxfp4": release records
         self.w1 = nnx.Param(jnp.zeros((n_experts, inter, dim), dtype))
         self.w3 = nnx.Param(jnp.zeros((n_experts, inter, dim), dtype))
         self.w2 = nnx.Param(jnp.zeros((n_experts, dim, inter), dtype))
+        self.w1_scale = self.w3_scale = self.w2_scale = nnx.data(None)
+
+    def store_mxfp4(self) -> None:
+        for name in self.NAMES:
+            E, O, In = getattr(self, name)[...].shape
+            setattr(self, name, nnx.Param(jnp.zeros((E, O, In // 2), jnp.uint8)))
+            setattr(self, name + "_scale", nnx.Param(jnp.zeros((E, O, In // MXFP4_BLOCK), jnp.uint8)))
+        self.weight_kind = "mxfp4"
+
+    def store_float(self, dtype: jnp.dtype) -> None:
+        """Decode MXFP4 experts to float `dtype` in place (for a mesh that cannot split their 32-channel blocks)."""
+        if self.weight_kind is None:
+            return
+        for name, w in zip(self.NAMES, self.weights()):
+            setattr(self, name, nnx.Param(reference_dequantize(w).astype(dtype)))
+            setattr(self, name + "_scale", nnx.data(None))
+        self.weight_kind = None
+
+    def weights(self) -> tuple:
+        """(w1, w3, w2) as the grouped matmul takes them: float arrays or `QuantizedExperts`."""
+        if self.weight_kind is None:
+            return tuple(getattr(self, n)[...] for n in self.NAMES)
+        return tuple(QuantizedExperts(getattr(self, n)[...], getattr(self, n + "_scale")[...], self.weight_kind)
+                     for n in self.NAMES)
 
     def __call__(self, x_TD: jax.Array, ids_TK: jax.Array, weights_TK: jax.Array) -> jax.Array:
         """sum_j weights[t, j] * expert_{ids[t, j]}(x_t), float32 [T, D]."""
-        return routed_experts(x_TD, ids_TK, weights_TK, self.w1[...], self.w3[...], self.w2[...], limit=self.limit,
-                              impl=self.kernel_impl)
+        return routed_experts(x_TD, ids_TK, weights_TK, *self.weights(), limit=self.limit, impl=self.kernel_impl)
 
 
 class SharedExpert(nnx.Module):

@@ -54,6 +54,8 @@ def main() -> None:
                                                            "data-parallel ranks in the same steps (comma list)")
     ap.add_argument("--decode-layouts", default="all", help="layouts also checked through the runtime ('all', "
                                                              "'none' or a comma list)")
+    ap.add_argument("--release", action="store_true",
+                    help="the model loaded from a quantized release checkpoint, weights kept in FP8 / MXFP4")
     args = ap.parse_args()
 
     import jax
@@ -68,6 +70,8 @@ def main() -> None:
     if jax.device_count() < 8:
         raise SystemExit(f"needs 8 devices, got {jax.device_count()} (XLA_FLAGS not applied?)")
     model = dsv41.random_model(args.preset, seed=1)
+    if args.release:
+        model = release_model(model)
     rng = np.random.default_rng(0)
     tokens = [int(t) for t in rng.integers(3, model.config.vocab_size - 1, PROMPT + DECODE)]
     ref = model.logits(np.array(tokens))  # [T, V] on one device, dense reference MoE
@@ -104,6 +108,9 @@ def main() -> None:
             res["cache_spec"] = str(runner.cache["swa"][0].sharding.spec)
         if name in args.dp_batches.split(","):
             res["dp_batches"] = dp_batches_check(model, sm, rc)
+        if args.release:
+            res["shard_bytes"] = shard_bytes_check(sm)
+            res["decoded_experts"] = sm.decoded_experts
         res.update(layout=sm.parallel.describe(), replicated_fallbacks=sm.replicated_fallbacks,
                    seconds=round(time.perf_counter() - t0, 1))
         out[name] = res
@@ -183,6 +190,37 @@ def dp_batches_check(model, sm, rc) -> dict:
     written = sorted((int(r), int(s)) for r, s in zip(*np.nonzero(np.abs(swa).max(axis=-1))))
     held = sorted((d.reqs[n].rank, d.reqs[n].slot) for n in reqs)
     return {"max_abs_err": err, "ranks": ranks, "kv_written_rank_slot": written, "requests_rank_slot": held}
+
+
+def release_model(model):
+    """`model` written as a quantized release checkpoint and loaded back with its weights in FP8 / MXFP4."""
+    import tempfile
+
+    import dsv41
+    from dsv41.checkpoint import save_checkpoint
+
+    folder = tempfile.mkdtemp(prefix="dsv41-release-")
+    save_checkpoint(folder, model.config, {p: np.asarray(v) for p, v in model.params.items()}, quantize=True)
+    return dsv41.load(folder)
+
+
+def shard_bytes_check(sm) -> dict:
+    """Tensors still in FP8 / MXFP4 on the mesh: every device holds exactly the bytes of the index range its
+    sharding assigns it, in the stored dtype; and the largest per-device total of them."""
+    import ml_dtypes
+
+    stored = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.uint8))
+    quantized = [p for p, a in sm.params.items() if p[:-1] in sm.base.formats and np.dtype(a.dtype) in stored]
+    per_device: dict = {}
+    ok = True
+    for p in quantized:
+        a, host = sm.params[p], np.asarray(sm.base.params[p])
+        for shard in a.addressable_shards:
+            ok &= shard.data.nbytes == host[shard.index].nbytes and shard.data.dtype == host.dtype
+            per_device[shard.device.id] = per_device.get(shard.device.id, 0) + shard.data.nbytes
+    return {"each_device_holds_its_shard": bool(ok), "quantized_tensors": len(quantized),
+            "max_device_bytes": max(per_device.values()),
+            "unsharded_bytes": sum(sm.base.params[p].nbytes for p in quantized)}
 
 
 def eplb_check(model, tokens, ref) -> dict:

@@ -1,6 +1,7 @@
-"""The sharded layouts give the single-device logits (prefill through ShardedModel.logits, decode through
-the runtime's cache on the mesh, and several requests on different data-parallel ranks in the same steps),
-on 8 virtual CPU devices in a subprocess (this process may have initialised jax with another device count).
+"""The sharded layouts give the single-device logits (prefill through ShardedModel.logits, decode through the
+runtime's cache on the mesh, and several requests on different data-parallel ranks in the same steps), on 8
+virtual CPU devices in a subprocess (this process may have initialised jax with another device count). tiny is
+loaded from a quantized release checkpoint, its weights kept in FP8 / MXFP4; small (dense) covers float weights.
 
 Budget: the suite runs tiny's four layouts for prefill, TP4 / DEP8 through the runtime, per-rank batches on
 dp4 x ep2 / DEP8, and small's DEP dp=2 x ep=4 prefill (`test_equivalence_small.py`, a file of its own so
@@ -17,8 +18,21 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def tiny():
-    return _worker("--preset", "tiny", "--layouts", "tp4,dep2x4,dep4x2,dep8x8", "--decode-layouts", "tp4,dep8x8",
-                   "--dp-batches", "dep4x2,dep8x8", "--eplb", "--dispatch-reference")
+    return _worker("--preset", "tiny", "--release", "--layouts", "tp4,dep2x4,dep4x2,dep8x8", "--decode-layouts",
+                   "tp4,dep8x8", "--dp-batches", "dep4x2,dep8x8", "--eplb", "--dispatch-reference")
+
+
+def test_release_formats_are_split_not_copied(tiny):
+    """tiny is loaded from a quantized release checkpoint (FP8 linears, MXFP4 experts kept as stored). On every
+    layout each device holds exactly its shard of each such tensor; under DEP8 the experts stay MXFP4 and one
+    device holds a fraction of the bytes; an expert-TP split below one 32-channel block (tiny's 32-wide
+    intermediate over moe_tp = 4 or 2) decodes those experts instead, and says so."""
+    for layout in ("tp4", "dep2x4", "dep4x2", "dep8x8"):
+        assert tiny[layout]["shard_bytes"]["each_device_holds_its_shard"], tiny[layout]
+    dep = tiny["dep8x8"]
+    assert dep["decoded_experts"] == [] and dep["shard_bytes"]["max_device_bytes"] < 0.7 * dep["shard_bytes"][
+        "unsharded_bytes"], dep
+    assert "layers.*.ffn.experts" in tiny["tp4"]["decoded_experts"], tiny["tp4"]
 
 
 def test_one_device_dispatch_is_bitwise(tiny):

@@ -1,0 +1,130 @@
+"""Weights resident in their release formats (`dsv41.weight_formats`): FP8 linears and MXFP4 experts stay as the
+checkpoint stores them and every use decodes what it reads. Checked against dequantize-at-load (same compute
+dtype) through the exact forward and the serving runtime, by the device bytes of the live arrays, and by the
+`--dtype auto` rule."""
+
+import gc
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+import dsv41
+from dsv41 import api, weight_formats
+from dsv41.checkpoint import release_names, save_checkpoint
+from dsv41.safetensors_io import open_checkpoint
+from serving.runtime.config import RuntimeConfig
+from serving.runtime.runner import Runner
+from tests.serving.driver import Driver
+
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+def _quantized(preset, folder):
+    m = dsv41.random_model(preset, seed=3)
+    save_checkpoint(folder, m.config, {p: np.asarray(v) for p, v in m.params.items()}, quantize=True)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return _quantized("tiny", tmp_path_factory.mktemp("tiny_release"))
+
+
+def _rel_err(a, b):
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+@pytest.mark.parametrize("preset, dtype", [("tiny", "float32"), ("tiny", "bfloat16"), ("small", "float32")])
+def test_release_formats_give_the_logits_of_dequantize_at_load(preset, dtype, tiny_dir, tmp_path):
+    folder = tiny_dir if preset == "tiny" else _quantized(preset, tmp_path)
+    release = dsv41.load(folder, dtype=dtype)
+    ids = np.arange(48) * 7 % release.config.vocab_size
+    got = release.logits(ids)
+    del release
+    want = dsv41.load(folder, dtype=dtype, weights="dequantize").logits(ids)
+    err = _rel_err(got, want)
+    print(f"\n{preset} {dtype}: release formats vs dequantize-at-load, max relative logit difference {err:.2e}")
+    assert err <= 1e-6
+
+
+def test_device_holds_the_checkpoint_bytes_and_no_decoded_copy(tiny_dir):
+    gc.collect()
+    before = {id(a) for a in jax.live_arrays()}
+    model = dsv41.load(tiny_dir)
+    model.logits(np.arange(20))  # a forward's decoded weights are temporaries of its ops
+    gc.collect()
+    new = [a for a in jax.live_arrays() if id(a) not in before]
+    assert sorted(map(id, new)) == sorted(id(a) for a in model.params.values())  # nothing else survives
+
+    entries = open_checkpoint(tiny_dir)
+    names: dict[tuple, list[str]] = {}
+    for name, t in release_names(model.config, list(model.params)).items():
+        names.setdefault(t.path, []).append(name)
+    fp8 = [m for m, f in model.formats.items() if f[0] == "fp8"]
+    experts = [m for m, f in model.formats.items() if f[0] == "mxfp4"]
+    assert len(fp8) > 20 and len(experts) == model.config.num_hidden_layers + model.config.num_nextn_predict_layers
+    for path, a in model.params.items():
+        stored = sum(entries[n].nbytes for n in names[path])
+        if path[:-1] in fp8:  # weight e4m3 and scale bytes: exactly the checkpoint's
+            assert a.nbytes == stored and a.dtype == (E4M3 if path[-1] == "weight" else np.uint8), path
+        elif path[:-1] in experts:  # stacked MXFP4 bytes: the experts' tensors, unchanged
+            assert a.dtype == np.uint8 and a.nbytes == stored and len(names[path]) == a.shape[0], path
+        elif entries[names[path][0]].dtype == "BF16":  # decoded to the compute dtype (float32 here)
+            assert a.dtype == np.float32 and a.nbytes == 2 * stored, path
+    packed = sum(a.nbytes for p, a in model.params.items() if p[:-1] in fp8 + experts)
+    stored = sum(e.nbytes for e in entries.values() if e.dtype in ("F8_E4M3", "I8", "F8_E8M0")
+                 and ".engram.embed." not in e.name)
+    assert packed == stored
+
+
+def test_runtime_prefill_with_trimming_and_decode_match_dequantize_at_load(tiny_dir):
+    rc = RuntimeConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128, block_size=8,
+                       token_buckets=(8, 32), swa_bounded_replay=True)
+    prompt = [int(t) for t in np.random.default_rng(5).integers(3, 512, 70)]
+    outs = []
+    for weights in ("release", "dequantize"):
+        runner = Runner(dsv41.load(tiny_dir, weights=weights), rc, progress=False)
+        runner.precompile()
+        d = Driver(runner)
+        d.start("a", prompt)
+        got = [d.step({"a": n})["a"] for n in (32, 32, 6)]  # last chunk trims the decoder layers
+        for _ in range(4):
+            d.append("a", int(np.argmax(got[-1])))
+            got.append(d.step({"a": 1})["a"])
+        outs.append(np.stack(got))
+    err = _rel_err(*outs)
+    print(f"\nruntime (bounded replay, trimmed prefill + 4 decode steps): max relative difference {err:.2e}")
+    assert err <= 1e-6
+
+
+def test_converted_copy_keeps_the_release_formats(tiny_dir, tmp_path):
+    model = dsv41.load(tiny_dir, dtype="bfloat16")
+    model.save_converted(tmp_path / "conv")
+    back = dsv41.load(tmp_path / "conv", dtype="auto")
+    assert back.formats == model.formats and back.dtype == model.dtype
+    for p, v in model.params.items():
+        assert back.params[p].dtype == v.dtype and np.array_equal(np.asarray(back.params[p]), np.asarray(v)), p
+    assert back.device_bytes() == model.device_bytes() < dsv41.load(tiny_dir, "bfloat16", weights="dequantize").device_bytes()
+
+
+def test_formats_read_off_the_parameters_are_those_of_the_checkpoint(tiny_dir):
+    model = dsv41.load(tiny_dir)
+    assert weight_formats.of_params(model.config, model.params) == model.formats
+    assert model.formats[("layers", 2, "attn", "wq_b")] == ("fp8", (32, 32))
+    assert model.formats[("layers", 2, "ffn", "experts")] == ("mxfp4",)
+    assert ("layers", 4, "attn", "compressor", "wkv") not in model.formats  # BF16 in the release
+    assert model.num_parameters == dsv41.load(tiny_dir, weights="dequantize").num_parameters
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_dtype_auto_follows_the_checkpoint_and_the_cpu(tiny_dir, tmp_path, monkeypatch, native_bf16):
+    monkeypatch.setattr(api, "cpu_has_native_bf16", lambda: native_bf16)
+    m = dsv41.random_model("tiny", seed=3)
+    save_checkpoint(tmp_path, m.config, {p: np.asarray(v) for p, v in m.params.items()}, quantize=False)
+    on_cpu = jax.default_backend() == "cpu"
+    assert dsv41.load(tiny_dir, dtype="auto").dtype == (np.float32 if on_cpu and not native_bf16 else ml_dtypes.bfloat16)
+    assert dsv41.load(tmp_path, dtype="auto").dtype == np.float32  # stored in float32
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        dsv41.load(tiny_dir, dtype="float16")
