@@ -172,6 +172,19 @@ def load_params(folder: str | Path, c: ModelConfig, abstract: dict[Path_, jax.Sh
     return out, skipped
 
 
+def release_formats(c: ModelConfig, paths: list[Path_]) -> dict[Path_, tuple]:
+    """The `weight_formats.Formats` of the release checkpoint of `c`, from the float model's parameter paths:
+    FP8 linears in the config's blocks, MXFP4 routed experts (what `export_tensors(quantize=True)` writes)."""
+    block = tuple(release_quantization(c)["weight_block_size"])
+    out: dict[Path_, tuple] = {}
+    for name, t in release_names(c, paths).items():
+        if t.expert is not None:
+            out[t.path[:-1]] = ("mxfp4",)
+        elif _FP8_LINEARS.search(name):
+            out[t.path[:-1]] = ("fp8", block)
+    return out
+
+
 def release_quantization(c: ModelConfig) -> dict:
     """The config's quantization_config, or the release's for its family (FP8 32x32 V4.1, 128x128 V4)."""
     block = [32, 32] if c.family == "v41" else [128, 128]
