@@ -12,11 +12,13 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
 
 from dsv41 import checkpoint, converted, weight_formats
 from dsv41.config import ModelConfig, load_config
+from dsv41.engram_host import HostEngramTables
 from dsv41.init import random_params
 from dsv41.layers.engram import EngramLayout, build_compressed_token_map
 from dsv41.layers.moe import set_kernel_impl
@@ -42,6 +44,14 @@ def _has_fp8_engram_table(paths) -> bool:
     return any(tuple(p)[-2:] == ("embed", "scale") for p in paths)
 
 
+def fp8_engram_tables(folder: str | Path) -> bool:
+    """Whether a release checkpoint folder stores FP8 Engram tables (which can stay in host memory)."""
+    folder = Path(folder)
+    if converted.is_converted(folder):
+        return bool(converted.converted_meta(folder)["engram_fp8"])
+    return _has_fp8_engram_table(n.split(".") for n in open_checkpoint(folder))
+
+
 def _forward_leaves(graphdef, treedef, leaves, ids, hashes, masks=None, *, fake_quant: bool):
     module = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
     return forward(module, ids, hashes, fake_quant=fake_quant, **(masks or {}))
@@ -56,9 +66,13 @@ class Model:
     """A loaded model: `config`, `params` ({path: array}), `logits(input_ids)`."""
 
     def __init__(self, config: ModelConfig, params: dict[tuple, jax.Array], *, dtype=jnp.float32,
-                 token_map: np.ndarray | None = None):
+                 token_map: np.ndarray | None = None, engram_tables: HostEngramTables | None = None):
+        """`engram_tables`: the Engram tables in host memory (then `params` holds none of them)."""
         self.config, self.dtype = config, jnp.dtype(dtype)
+        self.engram_tables = engram_tables
         self.formats = weight_formats.of_params(config, params)
+        if engram_tables is not None:
+            self.formats.update({("layers", lid, "engram", "embed"): ("host",) for lid in config.engram_layer_ids})
         graphdef, abstract = abstract_params(config, dtype, _has_fp8_engram_table(params), self.formats)
         missing = set(abstract) - set(params)
         if missing:
@@ -102,15 +116,39 @@ class Model:
     def compiled_text(self, n_tokens: int, *, fake_quant: bool = False) -> str:
         """The optimised HLO of the exact forward over `n_tokens` ids (e.g. to check which sorts and TopKs
         XLA emits)."""
-        h = self.engram_hashes(np.zeros(n_tokens, np.int64))
-        spec = lambda a: None if a is None else jax.ShapeDtypeStruct(np.shape(a), jnp.asarray(a).dtype)  # noqa: E731
-        return self._fn.lower(self._leaves, jax.ShapeDtypeStruct((n_tokens,), jnp.int32), spec(h),
+        h = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.engram_input(np.zeros(n_tokens, np.int64)))
+        return self._fn.lower(self._leaves, jax.ShapeDtypeStruct((n_tokens,), jnp.int32), h,
                               fake_quant=fake_quant).compile().as_text()
 
     def save_converted(self, folder: str | Path) -> None:
-        """Save the loaded parameters with Orbax; `load(folder)` then restores them without dequantizing."""
-        converted.save_converted(folder, self.config, self.params, self.dtype.name, self.token_map,
-                                 _has_fp8_engram_table(self.params), self.formats)
+        """Save the loaded parameters with Orbax; `load(folder)` then restores them without dequantizing (host
+        Engram tables are saved with them and restored as parameters: `load(..., engram_cpu_offload=True)`
+        moves them back)."""
+        params, formats = dict(self.params), dict(self.formats)
+        if self.engram_tables is not None:
+            for lid, v, sc in zip(self.config.engram_layer_ids, self.engram_tables.values, self.engram_tables.scales):
+                params[("layers", lid, "engram", "embed", "weight")] = np.asarray(v).view(ml_dtypes.float8_e4m3fn)
+                params[("layers", lid, "engram", "embed", "scale")] = np.asarray(sc)
+                formats.pop(("layers", lid, "engram", "embed"))
+        converted.save_converted(folder, self.config, params, self.dtype.name, self.token_map,
+                                 _has_fp8_engram_table(params), formats)
+
+    def with_engram_on_host(self) -> Model:
+        """This model with its FP8 Engram tables moved from the device parameters to host memory
+        (`dsv41.engram_host`); itself when they are there already or it has none."""
+        if self.engram_tables is not None or not self.config.engram_layer_ids:
+            return self
+        values, scales = [], []
+        for lid in self.config.engram_layer_ids:
+            w, s = (self.params.get(("layers", lid, "engram", "embed", leaf)) for leaf in ("weight", "scale"))
+            if s is None:
+                raise ValueError(f"layer {lid}'s Engram table is {w.dtype}, not FP8: only FP8 tables (the "
+                                 "release format) live in host memory")
+            values.append(np.asarray(w).view(np.uint8))
+            scales.append(np.asarray(s))
+        params = {p: v for p, v in self.params.items() if p[2:4] != ("engram", "embed")}
+        return Model(self.config, params, dtype=self.dtype, token_map=self.token_map,
+                     engram_tables=HostEngramTables(values, scales))
 
     @property
     def num_parameters(self) -> int:
@@ -123,6 +161,14 @@ class Model:
 
     def engram_hashes(self, ids_T: np.ndarray) -> np.ndarray | None:
         return None if self.engram is None else self.engram.hash_ids(ids_T, self.token_map)
+
+    def engram_input(self, ids_T: np.ndarray):
+        """What the forward takes for Engram: None, the hash ids [T, L, C] (tables on the device) or the rows
+        gathered from the host tables (`EngramRows`)."""
+        h = self.engram_hashes(ids_T)
+        if h is None:
+            return None
+        return jax.tree.map(jnp.asarray, self.engram_tables.gather(h) if self.engram_tables else h)
 
     def _check_ids(self, input_ids) -> np.ndarray:
         ids = np.asarray(input_ids)
@@ -141,9 +187,7 @@ class Model:
             raise ValueError("fake_quant models the V4.1 reference's activation formats; this is a V4 model")
         if ids.ndim == 2:
             return np.stack([self.logits(row, fake_quant=fake_quant) for row in ids])
-        h = self.engram_hashes(ids)
-        out = self._fn(self._leaves, jnp.asarray(ids, jnp.int32), None if h is None else jnp.asarray(h),
-                       fake_quant=fake_quant)
+        out = self._fn(self._leaves, jnp.asarray(ids, jnp.int32), self.engram_input(ids), fake_quant=fake_quant)
         return np.asarray(out)
 
     def masked_logits(self, input_ids, *, swa_floor=None, decoder_floor=None, frozen=None,
@@ -152,27 +196,28 @@ class Model:
         ids = self._check_ids(input_ids)
         masks = {k: v for k, v in (("swa_floor", swa_floor), ("decoder_floor", decoder_floor),
                                    ("frozen", frozen)) if v is not None}
-        h = self.engram_hashes(ids)
-        out = self._fn(self._leaves, jnp.asarray(ids, jnp.int32), None if h is None else jnp.asarray(h),
+        out = self._fn(self._leaves, jnp.asarray(ids, jnp.int32), self.engram_input(ids),
                        jax.tree.map(jnp.asarray, masks), fake_quant=fake_quant)
         return np.asarray(out)
 
     def published_rows(self, input_ids, *, fake_quant: bool = False) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """{KV source: (global rows [N, d], index keys [N, ihd])} of a cold pass over `input_ids`."""
         ids = self._check_ids(input_ids)
-        h = self.engram_hashes(ids)
-        out = self._published(self._leaves, jnp.asarray(ids, jnp.int32), None if h is None else jnp.asarray(h),
+        out = self._published(self._leaves, jnp.asarray(ids, jnp.int32), self.engram_input(ids),
                               fake_quant=fake_quant)
         return {s: (np.asarray(r), np.asarray(k)) for s, (r, k) in out.items()}
 
 
-def load(path: str | Path, dtype: str | jnp.dtype | None = None, *, weights: str = "release") -> Model:
+def load(path: str | Path, dtype: str | jnp.dtype | None = None, *, weights: str = "release",
+         engram_cpu_offload: bool = False) -> Model:
     """A release checkpoint folder (config.json + safetensors) -> Model, or a folder written by
     `Model.save_converted` (in the dtype and formats it was saved with).
 
     dtype: the compute dtype, "float32" (the default: exactness work) | "bfloat16" | "auto" (`auto_dtype`).
     weights: "release" keeps FP8 linears and MXFP4 experts in those formats on the device, decoded where they
-    are used (`dsv41.weight_formats`); "dequantize" decodes them to the compute dtype at load."""
+    are used (`dsv41.weight_formats`); "dequantize" decodes them to the compute dtype at load.
+    engram_cpu_offload: the FP8 Engram tables stay in host memory, mapped from the files (`dsv41.engram_host`);
+    each forward gathers the rows it needs."""
     folder = Path(path)
     config = load_config(folder)
     if weights not in ("release", "dequantize"):
@@ -185,7 +230,8 @@ def load(path: str | Path, dtype: str | jnp.dtype | None = None, *, weights: str
         formats = weight_formats.from_json(meta.get("formats", []))
         _, abstract = abstract_params(config, DTYPES[saved], meta["engram_fp8"], formats)
         params, token_map = converted.load_converted(folder, abstract)
-        return Model(config, params, dtype=DTYPES[saved], token_map=token_map)
+        model = Model(config, params, dtype=DTYPES[saved], token_map=token_map)
+        return model.with_engram_on_host() if engram_cpu_offload else model
     entries = open_checkpoint(folder)
     dt = resolve_dtype(dtype or "float32", entries)
     engram_fp8 = _has_fp8_engram_table(n.split(".") for n in entries)
@@ -193,8 +239,14 @@ def load(path: str | Path, dtype: str | jnp.dtype | None = None, *, weights: str
     if weights == "release":
         _, dense = abstract_params(config, dt, engram_fp8)
         formats = weight_formats.from_checkpoint(config, entries, checkpoint.release_names(config, list(dense)))
+    tables, elsewhere = None, frozenset()
+    if engram_cpu_offload and config.engram_layer_ids:
+        tables = HostEngramTables.from_checkpoint(entries, config.engram_layer_ids)
+        formats.update({("layers", lid, "engram", "embed"): ("host",) for lid in config.engram_layer_ids})
+        elsewhere = frozenset(f"layers.{lid}.engram.embed.{leaf}" for lid in config.engram_layer_ids
+                              for leaf in ("weight", "scale"))
     _, abstract = abstract_params(config, dt, engram_fp8, formats)
-    params, _ = checkpoint.load_params(folder, config, abstract)
+    params, _ = checkpoint.load_params(folder, config, abstract, elsewhere)
     token_map = None
     if config.engram_layer_ids and (folder / "tokenizer.json").exists():
         token_map, size = build_compressed_token_map(folder / "tokenizer.json", config.vocab_size,
@@ -202,7 +254,7 @@ def load(path: str | Path, dtype: str | jnp.dtype | None = None, *, weights: str
         if size != config.engram_compressed_vocab_size:
             raise CheckpointError(f"tokenizer.json gives {size} compressed Engram ids but "
                                   f"engram_compressed_vocab_size is {config.engram_compressed_vocab_size}")
-    return Model(config, params, dtype=dt, token_map=token_map)
+    return Model(config, params, dtype=dt, token_map=token_map, engram_tables=tables)
 
 
 def resolve_dtype(dtype: str | jnp.dtype, entries: dict | None = None) -> jnp.dtype:

@@ -23,7 +23,7 @@ from flax import nnx
 from dsv41.config import LayerRole, ModelConfig
 from dsv41.layers.attention import Attention
 from dsv41.layers.basic import RMSNorm
-from dsv41.layers.engram import Engram
+from dsv41.layers.engram import Engram, EngramRows
 from dsv41.layers.mhc import HcMix, HyperConnection, hc_collapse, hc_post
 from dsv41.layers.moe import MoE
 from pallas_kernels.mhc import mhc_post_pre
@@ -73,7 +73,8 @@ def attention_input(block: Block, c: ModelConfig, s: Streams, engram_hashes: jax
     if block.engram is not None:
         if engram_hashes is None:
             raise ValueError(f"layer {block.role.layer_id} has Engram: engram hash ids are required")
-        R = block.engram(R, engram_hashes[:, block.role.engram_index])
+        i = block.role.engram_index
+        R = block.engram(R, engram_hashes.layer(i) if isinstance(engram_hashes, EngramRows) else engram_hashes[:, i])
     mix = block.hc_attn(R)
     if c.delayed_pre:
         u = R[:, 0] if s.pre is None else hc_collapse(R, s.pre)

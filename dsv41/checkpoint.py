@@ -120,9 +120,10 @@ def decode_tensor(c: ModelConfig, name: str, entry: TensorEntry, entries: dict[s
     return np.asarray(raw).astype(target_dtype)
 
 
-def classify(c: ModelConfig, entries: dict[str, TensorEntry], targets: dict[str, Target]
-             ) -> tuple[dict[str, Target], dict[str, str]]:
-    """Split checkpoint names into parameters and skipped tensors (with reasons); raise on unknown/missing."""
+def classify(c: ModelConfig, entries: dict[str, TensorEntry], targets: dict[str, Target],
+             elsewhere: frozenset[str] = frozenset()) -> tuple[dict[str, Target], dict[str, str]]:
+    """Split checkpoint names into parameters and skipped tensors (with reasons); raise on unknown/missing.
+    `elsewhere`: names read by another path (Engram tables in host memory)."""
     params: dict[str, Target] = {}
     skipped: dict[str, str] = {}
     unknown: list[str] = []
@@ -130,6 +131,8 @@ def classify(c: ModelConfig, entries: dict[str, TensorEntry], targets: dict[str,
         weight = entries.get(name[: -len(".scale")] + ".weight") if name.endswith(".scale") else None
         if name in targets:
             params[name] = targets[name]
+        elif name in elsewhere:
+            skipped[name] = "held in host memory"
         elif (reason := _skip_reason(name, c)) is not None:
             skipped[name] = reason
         elif weight is not None and weight.dtype in ("F8_E4M3", "I8"):
@@ -146,12 +149,13 @@ def classify(c: ModelConfig, entries: dict[str, TensorEntry], targets: dict[str,
     return params, skipped
 
 
-def load_params(folder: str | Path, c: ModelConfig, abstract: dict[Path_, jax.ShapeDtypeStruct]
-                ) -> tuple[dict[Path_, jax.Array], dict[str, str]]:
-    """Read every parameter of the abstract state from a release checkpoint; returns device arrays."""
+def load_params(folder: str | Path, c: ModelConfig, abstract: dict[Path_, jax.ShapeDtypeStruct],
+                elsewhere: frozenset[str] = frozenset()) -> tuple[dict[Path_, jax.Array], dict[str, str]]:
+    """Read every parameter of the abstract state from a release checkpoint; returns device arrays.
+    `elsewhere`: tensor names another path reads (host-resident Engram tables)."""
     entries = open_checkpoint(folder)
     targets = release_names(c, list(abstract))
-    params, skipped = classify(c, entries, targets)
+    params, skipped = classify(c, entries, targets, elsewhere)
     by_path: dict[Path_, list[tuple[str, Target]]] = {}
     for name, t in params.items():
         by_path.setdefault(t.path, []).append((name, t))

@@ -3,6 +3,7 @@
 A `Formats` maps a module path to its stored format:
   ("fp8", (b0, b1))  a `Linear` kept as e4m3 values + UE8M0 exponent bytes per b0 x b1 block
   ("mxfp4",)         a MoE's routed `Experts` kept as packed e2m1 bytes + UE8M0 exponent bytes per 32
+  ("host",)          an Engram table kept in host memory (`dsv41.engram_host`), not a device parameter
 
 It is read off a checkpoint (the tensors stored that way: FP8 attention / shared-expert / Engram-wkv /
 DSpark main_proj linears and MXFP4 experts in the release) or off a parameter dict (the dtypes say it),
@@ -89,6 +90,8 @@ def apply(module: nnx.Module, formats: Formats) -> nnx.Module:
             m.store_fp8(fmt[1])
         elif fmt[0] == "mxfp4":
             m.store_mxfp4()
+        elif fmt[0] == "host":
+            m.store_on_host()
         else:
             raise ValueError(f"unknown weight format {fmt!r} for {'.'.join(map(str, path))}")
     return module

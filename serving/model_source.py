@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import dsv41
+from dsv41.api import fp8_engram_tables
 from dsv41.nano import NANO_DIR
 from serving.text.tokenizer import Tokenizer, byte_level_tokenizer
 
@@ -29,6 +30,10 @@ class ModelArgs:
     dtype: str = field(default="auto", metadata={"choices": DTYPES, "help": (
         "compute dtype; auto = the checkpoint's (bfloat16 for a release checkpoint, float32 for one stored in "
         "float32 and for presets), but float32 on a CPU without native bfloat16 matmuls (dsv41.auto_dtype)")})
+    engram_cpu_offload: bool = field(default=True, metadata={
+        "help": "keep a checkpoint's FP8 Engram tables in host memory, mapped from its files and shared by every "
+                "process on the host; each step gathers only its rows (vLLM's engram cpu_offload). Tables that "
+                "are not FP8 (unquantized checkpoints, presets) stay on the device"})
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -45,22 +50,27 @@ class ModelSource:
 
 def load_model(args: ModelArgs, seed: int = 0) -> ModelSource:
     """The model, its tokenizer and its served name; `seed` draws a preset's random weights."""
-    src = _load(args.model, args.dtype, seed)
+    src = _load(args.model, args.dtype, seed, args.engram_cpu_offload)
     src.name = args.served_model_name or src.name
     src.description += f"; {_weights(src.model)}"
     return src
 
 
-def _load(model: str | None, dtype: str, seed: int) -> ModelSource:
+def _load_checkpoint(path: Path, dtype: str, engram_cpu_offload: bool) -> dsv41.Model:
+    offload = engram_cpu_offload and fp8_engram_tables(path)
+    return dsv41.load(path, dtype=dtype, engram_cpu_offload=offload)
+
+
+def _load(model: str | None, dtype: str, seed: int, engram_cpu_offload: bool) -> ModelSource:
     if model is None:
-        m = dsv41.load(NANO_DIR, dtype=dtype)
+        m = _load_checkpoint(NANO_DIR, dtype, engram_cpu_offload)
         return ModelSource(m, Tokenizer.from_dir(NANO_DIR), DEFAULT_NAME,
                            f"built-in default: nano-austen, a {_params(m)} V4.1 trained on five Jane Austen novels "
                            f"(release formats, {NANO_DIR}); it writes Austen-like prose, not answers - pass --model "
                            "for a checkpoint")
     path = Path(model)
     if path.is_dir():
-        m = dsv41.load(path, dtype=dtype)
+        m = _load_checkpoint(path, dtype, engram_cpu_offload)
         tok = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
         note = "" if tok else " (no tokenizer.json: token-id prompts only)"
         return ModelSource(m, tok, path.name, f"checkpoint {path}{note}")
@@ -77,6 +87,8 @@ def _params(m: dsv41.Model) -> str:
 
 
 def _weights(m: dsv41.Model) -> str:
-    kinds = sorted({f[0].upper() for f in m.formats.values()})
+    kinds = sorted({f[0].upper() for f in m.formats.values() if f[0] != "host"})
     kept = f"{' and '.join(kinds)} weights kept in their release formats, " if kinds else ""
-    return f"compute dtype {m.dtype.name}, {kept}{m.device_bytes() / 2**20:.1f} MiB of parameters on the device"
+    host = (f", Engram tables in host memory ({m.engram_tables.nbytes / 2**20:.1f} MiB mapped)"
+            if m.engram_tables is not None else "")
+    return f"compute dtype {m.dtype.name}, {kept}{m.device_bytes() / 2**20:.1f} MiB of parameters on the device{host}"

@@ -41,6 +41,7 @@ class ShardedModel:
         self.parallel, self.mesh = pc, mesh if mesh is not None else make_mesh(pc)
         self.base = model
         self.config, self.dtype, self.engram, self.token_map = model.config, model.dtype, model.engram, model.token_map
+        self.engram_tables = model.engram_tables  # host memory: one mapping for every rank of this process
         module = nnx.merge(*nnx.split(model.module))  # new module objects over the same arrays
         self.decoded_experts = decode_unsplittable_experts(module, self.mesh, model.dtype)
         graphdef, state = nnx.split(module)
@@ -96,17 +97,15 @@ class ShardedModel:
         ids = self.base._check_ids(input_ids)
         if ids.ndim == 2:
             return np.stack([self.logits(row, fake_quant=fake_quant) for row in ids])
-        h = self.base.engram_hashes(ids)
-        out = self._fn(self._leaves, jnp.asarray(ids, jnp.int32), None if h is None else jnp.asarray(h),
-                       fake_quant=fake_quant)
+        out = self._fn(self._leaves, jnp.asarray(ids, jnp.int32), self.base.engram_input(ids), fake_quant=fake_quant)
         return np.asarray(out.addressable_data(0))  # replicated: every process holds all of it
 
     def lower_logits(self, n_tokens: int):
         """The lowered prefill of n_tokens ids (for HLO inspection)."""
         ids = jax.ShapeDtypeStruct((n_tokens,), jnp.int32)
-        h = self.base.engram_hashes(np.zeros(n_tokens, np.int64))
-        hashes = None if h is None else jax.ShapeDtypeStruct(h.shape, jnp.asarray(h).dtype)
-        return self._fn.lower(self._leaves, ids, hashes, fake_quant=False)
+        engram = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                              self.base.engram_input(np.zeros(n_tokens, np.int64)))
+        return self._fn.lower(self._leaves, ids, engram, fake_quant=False)
 
 
 def decode_unsplittable_experts(module: nnx.Module, mesh: Mesh, dtype) -> list[str]:

@@ -10,6 +10,7 @@ sigmoid gate that compares the stream with its key.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -160,20 +161,56 @@ def build_compressed_token_map(tokenizer_json: str | Path, vocab_size: int, pad_
 
 
 # ================================================================================ module
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class EngramRows:
+    """Table rows gathered on the host for a step (host-resident tables, `dsv41.engram_host`): the FP8 bytes
+    `values` [..., L, C, hd] and UE8M0 exponent bytes `scales` [..., L, C, hd/32] (uint8) of each row's
+    (Engram layer, hash column). What the forward takes in place of the hash ids [..., L, C]."""
+
+    values: jax.Array
+    scales: jax.Array
+
+    def layer(self, i: int) -> EngramRows:
+        return EngramRows(self.values[:, i], self.scales[:, i])
+
+
+def decode_rows(values: jax.Array, scales: jax.Array | None, dtype: jnp.dtype) -> jax.Array:
+    """Rows [..., hd] from FP8 (e4m3, or its bytes as uint8) values and UE8M0 bytes per 32 (or float rows)."""
+    if values.dtype == jnp.uint8:
+        values = jax.lax.bitcast_convert_type(values, jnp.float8_e4m3fn)
+    rows = values.astype(jnp.float32)
+    if scales is not None:
+        s = scales.astype(jnp.int32) - 127
+        rows = (rows.reshape(*rows.shape[:-1], -1, 32) * jnp.ldexp(1.0, s)[..., None]).reshape(rows.shape)
+    return rows.astype(dtype)
+
+
 class EngramTable(nnx.Module):
     """engram.embed.weight [rows, hd] (float8_e4m3fn, or the compute dtype for unquantized checkpoints)
-    and engram.embed.scale [rows, hd/32] (UE8M0 exponent bytes; None when unquantized)."""
+    and engram.embed.scale [rows, hd/32] (UE8M0 exponent bytes; None when unquantized).
+
+    `store_on_host()` drops both from the device parameters: the table then lives in host memory
+    (`dsv41.engram_host`) and the forward receives each step's rows already gathered (`EngramRows`)."""
 
     def __init__(self, rows: int, head_dim: int, *, fp8: bool, dtype: jnp.dtype):
+        self.on_host = False
         self.weight = nnx.Param(jnp.zeros((rows, head_dim), jnp.float8_e4m3fn if fp8 else dtype))
-        self.scale = nnx.Param(jnp.zeros((rows, head_dim // 32), jnp.uint8)) if fp8 else None
+        self.scale = nnx.Param(jnp.zeros((rows, head_dim // 32), jnp.uint8)) if fp8 else nnx.data(None)
 
-    def __call__(self, ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
-        rows = jnp.take(self.weight[...], ids, axis=0).astype(jnp.float32)
-        if self.scale is not None:
-            s = jnp.take(self.scale[...], ids, axis=0).astype(jnp.int32) - 127
-            rows = (rows.reshape(*rows.shape[:-1], -1, 32) * jnp.ldexp(1.0, s)[..., None]).reshape(rows.shape)
-        return rows.astype(dtype)
+    def store_on_host(self) -> None:
+        self.on_host = True
+        self.weight = self.scale = nnx.data(None)
+
+    def __call__(self, ids_or_rows: jax.Array | EngramRows, dtype: jnp.dtype) -> jax.Array:
+        """Rows [T, C, hd] in `dtype` of hash ids [T, C] (device table) or of gathered rows (host table)."""
+        if isinstance(ids_or_rows, EngramRows):
+            return decode_rows(ids_or_rows.values, ids_or_rows.scales, dtype)
+        if self.on_host:
+            raise ValueError("this Engram table lives in host memory: pass the step's gathered rows (EngramRows)")
+        ids = ids_or_rows
+        scales = None if self.scale is None else jnp.take(self.scale[...], ids, axis=0)
+        return decode_rows(jnp.take(self.weight[...], ids, axis=0), scales, dtype)
 
 
 class Engram(nnx.Module):

@@ -15,6 +15,7 @@ all in one call. `max_num_seqs`, `max_num_batched_tokens` and the KV memory are 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 import time
@@ -162,8 +163,12 @@ class Runner:
         eg = self.model.engram
         engram = {} if eg is None else {"engram_hashes": self._engram_hashes,
                                         "engram_row_shape": (len(eg.layer_ids), (eg.max_ngram - 1) * eg.n_heads)}
-        return build_step(chunks, self.buckets, max_blocks=self.max_blocks, window=self.config.sliding_window,
-                          block_size=self.layout.block_size, **engram, **forced)
+        batch = build_step(chunks, self.buckets, max_blocks=self.max_blocks, window=self.config.sliding_window,
+                           block_size=self.layout.block_size, **engram, **forced)
+        if self.model.engram_tables is not None:  # host tables: the step carries its rows, not their ids
+            rows = self.model.engram_tables.gather(batch.rows.engram_TEc)
+            batch = dataclasses.replace(batch, rows=dataclasses.replace(batch.rows, engram_TEc=rows))
+        return batch
 
     def _build(self, chunks: Sequence[SeqChunk], token_bucket: int | None = None, kept_bucket: int | None = None
                ) -> tuple[StepBatch, np.ndarray, list[tuple[int, int]]]:

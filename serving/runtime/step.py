@@ -54,7 +54,9 @@ class Rows:
     first_R: jax.Array  # each request's first row
     qlen_R: jax.Array  # its rows in this step
     tiles: QueryTiles  # attention / indexer work plan over these rows
-    engram_TEc: jax.Array | None  # Engram hash ids [T, engram layers, (max_ngram - 1) x heads]; None without Engram
+    # Engram hash ids [T, engram layers, (max_ngram - 1) x heads], or with the tables in host memory the rows
+    # gathered for them (dsv41.layers.engram.EngramRows); None without Engram
+    engram_TEc: jax.Array | None
 
 
 @_pytree
