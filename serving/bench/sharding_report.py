@@ -36,7 +36,7 @@ from collections import defaultdict
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AbstractMesh
+from jax.sharding import AbstractMesh, AxisType
 
 from dsv41 import checkpoint
 from dsv41.api import abstract_params
@@ -63,7 +63,7 @@ def _shard_factor(mesh, spec) -> int:
 
 def abstract_mesh(pc: ParallelConfig) -> AbstractMesh:
     f = pc.factors()
-    return AbstractMesh(tuple(f[a] for a in MESH_AXES), MESH_AXES)
+    return AbstractMesh(tuple(f[a] for a in MESH_AXES), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 @functools.lru_cache(maxsize=8)
