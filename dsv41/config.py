@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 PRESET_DIR = Path(__file__).parent / "presets"
-PRESETS = ("v41-flash", "v4-flash", "tiny", "small", "nano")
+PRESETS = ("v41-flash", "v41-flash-slice", "v4-flash", "tiny", "small", "nano")
 
 Family = Literal["v41", "v4"]
 # Attention kinds: "swa" = sliding window only; "compressed" = V4.1 SWA + top-k over a (shared) global KV;

@@ -39,6 +39,8 @@ def pytest_addoption(parser):
                      help="a Python with torch 2.13 + transformers 5.24: run the HF oracle live")
     parser.addoption("--kernel-seed", type=int, default=None,
                      help="seed of the kernel tests' random inputs (default 0; failures name the seed they ran)")
+    parser.addoption("--full-size-lowering", action="store_true",
+                     help="also lower v41-flash's serving steps on an abstract mesh (minutes; nothing allocated)")
 
 
 def pytest_configure(config):

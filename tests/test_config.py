@@ -33,7 +33,7 @@ def test_v4_flash_roles():
     assert not c.delayed_pre and c.q_head_norm and c.hc_head
 
 
-@pytest.mark.parametrize("name", ["v41-flash", "v4-flash", "tiny", "small", "nano"])
+@pytest.mark.parametrize("name", ["v41-flash", "v41-flash-slice", "v4-flash", "tiny", "small", "nano"])
 def test_release_dict_round_trip(name):
     c = ModelConfig.preset(name)
     again = ModelConfig.from_release_dict(json.loads(json.dumps(c.to_release_dict())))
