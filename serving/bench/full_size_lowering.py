@@ -14,8 +14,8 @@ Collectives: StableHLO before SPMD partitioning holds only the explicit ones - t
 all-to-alls and psums, at per-device shapes; the tensor-parallel all-reduces of the O-projection (and any
 other partitioner-inserted collective) appear only after compilation, which needs real devices (an
 AbstractMesh has no device assignment). The counts below are therefore the explicit collectives only.
-The Engram tables are inputs of the lowered step (the model still gathers on the device; host residency is
-separate work), replicated.
+The Engram tables live in host memory as served (`--engram-cpu-offload`): the lowered steps take each step's
+gathered rows (`EngramRows`), not the tables.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from flax import nnx
 from dsv41 import checkpoint, weight_formats
 from dsv41.api import abstract_params
 from dsv41.config import ModelConfig, load_config
-from dsv41.layers.engram import EngramLayout
+from dsv41.layers.engram import EngramLayout, EngramRows
 from dsv41.model import Transformer
 from serving.bench.sharding_report import abstract_mesh
 from serving.runtime.config import RuntimeConfig
@@ -83,6 +83,8 @@ class AbstractModel:
         if weights == "release":
             _, dense = abstract_params(c, self.dtype, engram_fp8)
             formats = checkpoint.release_formats(c, list(dense))
+        formats.update({("layers", lid, "engram", "embed"): ("host",) for lid in c.engram_layer_ids})
+        self.engram_tables = _AbstractEngramTables(c.engram_head_dim) if c.engram_layer_ids else None
 
         def build():
             m = weight_formats.apply(Transformer(c, dtype=self.dtype, engram_fp8=engram_fp8), formats)
@@ -98,6 +100,17 @@ class AbstractModel:
         install_dispatch(self.module, ExpertDispatch(mesh, capacity_buckets=1))  # one bucket: each a2a once
         self.engram = EngramLayout.from_config(c) if c.engram_layer_ids else None
         self.token_map = np.arange(c.vocab_size) if self.engram else None
+
+
+class _AbstractEngramTables:
+    """Stands in for `HostEngramTables` when lowering: rows of the right shape (zeros), no table."""
+
+    def __init__(self, head_dim: int):
+        self.head_dim = head_dim
+
+    def gather(self, hash_ids: np.ndarray) -> EngramRows:
+        shape = np.shape(hash_ids)
+        return EngramRows(np.zeros((*shape, self.head_dim), np.uint8), np.zeros((*shape, self.head_dim // 32), np.uint8))
 
 
 def _tensor_bytes(types: str) -> int:
