@@ -19,7 +19,7 @@ from flax import nnx
 from dsv41 import checkpoint, converted, weight_formats
 from dsv41.config import ModelConfig, load_config
 from dsv41.engram_host import HostEngramTables
-from dsv41.init import random_params
+from dsv41.init import random_params, random_release_params
 from dsv41.layers.engram import EngramLayout, build_compressed_token_map
 from dsv41.layers.moe import set_kernel_impl
 from dsv41.model import Transformer, forward, published_rows
@@ -209,7 +209,7 @@ class Model:
 
 
 def load(path: str | Path, dtype: str | jnp.dtype | None = None, *, weights: str = "release",
-         engram_cpu_offload: bool = False) -> Model:
+         engram_cpu_offload: bool = False, shardings=None, progress: bool = False) -> Model:
     """A release checkpoint folder (config.json + safetensors) -> Model, or a folder written by
     `Model.save_converted` (in the dtype and formats it was saved with).
 
@@ -217,7 +217,9 @@ def load(path: str | Path, dtype: str | jnp.dtype | None = None, *, weights: str
     weights: "release" keeps FP8 linears and MXFP4 experts in those formats on the device, decoded where they
     are used (`dsv41.weight_formats`); "dequantize" decodes them to the compute dtype at load.
     engram_cpu_offload: the FP8 Engram tables stay in host memory, mapped from the files (`dsv41.engram_host`);
-    each forward gathers the rows it needs."""
+    each forward gathers the rows it needs.
+    shardings: `(parameter path, shape) -> Sharding` (e.g. `sharding.rules.param_sharding_fn(mesh)`): each
+    device receives only its shard of each tensor, streamed from the mapped files. progress: a loading bar."""
     folder = Path(path)
     config = load_config(folder)
     if weights not in ("release", "dequantize"):
@@ -246,7 +248,7 @@ def load(path: str | Path, dtype: str | jnp.dtype | None = None, *, weights: str
         elsewhere = frozenset(f"layers.{lid}.engram.embed.{leaf}" for lid in config.engram_layer_ids
                               for leaf in ("weight", "scale"))
     _, abstract = abstract_params(config, dt, engram_fp8, formats)
-    params, _ = checkpoint.load_params(folder, config, abstract, elsewhere)
+    params, _ = checkpoint.load_params(folder, config, abstract, elsewhere, shardings=shardings, progress=progress)
     token_map = None
     if config.engram_layer_ids and (folder / "tokenizer.json").exists():
         token_map, size = build_compressed_token_map(folder / "tokenizer.json", config.vocab_size,
@@ -268,14 +270,14 @@ def resolve_dtype(dtype: str | jnp.dtype, entries: dict | None = None) -> jnp.dt
     return jnp.dtype(DTYPES[dtype])
 
 
-def auto_dtype(entries: dict) -> jnp.dtype:
+def auto_dtype(entries: dict, *, release: bool | None = None) -> jnp.dtype:
     """The compute dtype `--dtype auto` picks for a checkpoint's tensors (`{name: TensorEntry}`).
 
-    Rule: the checkpoint's dtype - bfloat16 for a release checkpoint (FP8 / MXFP4 / BF16 tensors), float32 for
-    one stored in float32 - except that on a CPU without native bfloat16 matmuls (no AVX512-BF16 / AMX-BF16 /
+    Rule: the checkpoint's dtype - bfloat16 for a release checkpoint (FP8 / MXFP4 / BF16 tensors; `release`
+    says it without entries, e.g. for a preset), float32 for one stored in float32 - except that on a CPU without native bfloat16 matmuls (no AVX512-BF16 / AMX-BF16 /
     Arm BF16; XLA:CPU then emulates them, slower than float32) it is float32."""
     stored = {e.dtype for e in entries.values()}
-    wants_bf16 = bool(stored & {"BF16", "F16", "F8_E4M3", "I8"})
+    wants_bf16 = bool(stored & {"BF16", "F16", "F8_E4M3", "I8"}) if release is None else release
     if wants_bf16 and jax.default_backend() == "cpu" and not cpu_has_native_bf16():
         return jnp.dtype(jnp.float32)
     return jnp.dtype(jnp.bfloat16 if wants_bf16 else jnp.float32)
@@ -296,9 +298,30 @@ def cpu_has_native_bf16() -> bool:
 
 
 def random_model(config: ModelConfig | str, seed: int = 0, dtype: str | jnp.dtype = "float32",
-                 engram_fp8: bool = False) -> Model:
-    """A model with deterministic random weights (host-drawn), e.g. `random_model("tiny")`."""
+                 engram_fp8: bool = False, *, weights: str | None = None, engram_cpu_offload: bool = False) -> Model:
+    """A model with deterministic random weights (host-drawn), e.g. `random_model("tiny")`.
+
+    weights: "float" (every weight in `dtype`, the test presets) or "release" (FP8 linears, MXFP4 experts and FP8
+    Engram tables drawn as bytes, `init.random_release_params`: how a full-width preset fits a GPU); default:
+    "release" for configs that carry a quantization_config (the full-size presets), else "float".
+    engram_cpu_offload (release weights): the random Engram tables live in host memory."""
     c = load_config(config) if isinstance(config, str) else config
     dt = DTYPES[dtype] if isinstance(dtype, str) else dtype
-    _, abstract = abstract_params(c, dt, engram_fp8)
-    return Model(c, random_params(c, abstract, seed), dtype=dt)
+    weights = weights or ("release" if c.quantization else "float")
+    if weights == "float":
+        _, abstract = abstract_params(c, dt, engram_fp8)
+        return Model(c, random_params(c, abstract, seed), dtype=dt)
+    if weights != "release":
+        raise ValueError(f"weights must be 'float' or 'release', got {weights!r}")
+    _, dense = abstract_params(c, dt, True)
+    _, abstract = abstract_params(c, dt, True, checkpoint.release_formats(c, list(dense)))
+    tables = {p: a for p, a in abstract.items() if p[2:4] == ("engram", "embed")} if engram_cpu_offload else {}
+    params = random_release_params(c, {p: a for p, a in abstract.items() if p not in tables}, seed)
+    host = None
+    if tables:
+        drawn = random_release_params(c, tables, seed + 1, to_device=False)
+        host = HostEngramTables([drawn[("layers", lid, "engram", "embed", "weight")].view(np.uint8)
+                                 for lid in c.engram_layer_ids],
+                                [drawn[("layers", lid, "engram", "embed", "scale")] for lid in c.engram_layer_ids])
+    token_map = np.arange(c.vocab_size) % max(c.engram_compressed_vocab_size, 1) if c.engram_layer_ids else None
+    return Model(c, params, dtype=dt, token_map=token_map, engram_tables=host)

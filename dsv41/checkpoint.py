@@ -11,6 +11,9 @@ Engram table) are read as stored; the rest is decoded to the compute dtype on th
 from __future__ import annotations
 
 import re
+import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,30 +153,71 @@ def classify(c: ModelConfig, entries: dict[str, TensorEntry], targets: dict[str,
 
 
 def load_params(folder: str | Path, c: ModelConfig, abstract: dict[Path_, jax.ShapeDtypeStruct],
-                elsewhere: frozenset[str] = frozenset()) -> tuple[dict[Path_, jax.Array], dict[str, str]]:
+                elsewhere: frozenset[str] = frozenset(), *, shardings: Callable | None = None,
+                progress: bool = False) -> tuple[dict[Path_, jax.Array], dict[str, str]]:
     """Read every parameter of the abstract state from a release checkpoint; returns device arrays.
-    `elsewhere`: tensor names another path reads (host-resident Engram tables)."""
+
+    `elsewhere`: tensor names another path reads (host-resident Engram tables). `shardings(path, shape)`: the
+    parameter's sharding - each device then receives only its own index range of each tensor, read from the
+    memory-mapped files (an expert stack reads only the experts of the range), so host memory holds about one
+    tensor at a time, never the checkpoint. `progress`: a bar of tensors and bytes on stderr."""
     entries = open_checkpoint(folder)
     targets = release_names(c, list(abstract))
     params, skipped = classify(c, entries, targets, elsewhere)
     by_path: dict[Path_, list[tuple[str, Target]]] = {}
     for name, t in params.items():
         by_path.setdefault(t.path, []).append((name, t))
+    bar = _LoadProgress(len(params), sum(entries[n].nbytes for n in params)) if progress else None
     out = {}
     for path, items in by_path.items():
         spec = abstract[path]
-        host = np.empty(spec.shape, spec.dtype) if items[0][1].expert is not None else None
-        for name, t in items:
-            a = decode_tensor(c, name, entries[name], entries, np.dtype(spec.dtype))
+        dtype = np.dtype(spec.dtype)
+
+        def read(name: str, t: Target, index: tuple = ()) -> np.ndarray:
+            a = decode_tensor(c, name, entries[name], entries, dtype)
             want = spec.shape[1:] if t.expert is not None else spec.shape
             if a.shape != tuple(want):
                 raise CheckpointError(f"tensor {name} has shape {list(a.shape)}, the config needs {list(want)}")
-            if t.expert is not None:
-                host[t.expert] = a
-            else:
-                host = a
-        out[path] = jnp.asarray(host)
+            return np.ascontiguousarray(a[index])
+
+        if items[0][1].expert is not None:
+            by_expert = sorted(items, key=lambda it: it[1].expert)
+
+            def block(index: tuple, by_expert=by_expert, read=read) -> np.ndarray:
+                index = index or (slice(None),) * len(spec.shape)
+                return np.stack([read(n, t, index[1:]) for n, t in by_expert[index[0]]])
+        else:
+            (name, t), = items
+            whole = []  # one read, shared by every device asking (e.g. a replicated tensor)
+
+            def block(index: tuple, name=name, t=t, read=read, whole=whole) -> np.ndarray:
+                if not whole:
+                    whole.append(read(name, t))
+                return whole[0][index]
+        if shardings is None:
+            out[path] = jnp.asarray(block(()))
+        else:
+            out[path] = jax.make_array_from_callback(tuple(spec.shape), shardings(path, tuple(spec.shape)), block)
+        if bar:
+            bar.update(len(items), sum(entries[n].nbytes for n, _ in items))
     return out, skipped
+
+
+class _LoadProgress:
+    """Tensors and bytes read so far, on one stderr line."""
+
+    def __init__(self, tensors: int, nbytes: int):
+        self.total, self.total_bytes, self.done, self.bytes, self.t0 = tensors, nbytes, 0, 0, time.perf_counter()
+
+    def update(self, tensors: int, nbytes: int) -> None:
+        self.done, self.bytes = self.done + tensors, self.bytes + nbytes
+        fill = int(24 * self.bytes / max(self.total_bytes, 1))
+        sys.stderr.write(f"\r[{'#' * fill}{'.' * (24 - fill)}] loading {self.done}/{self.total} tensors, "
+                         f"{self.bytes / 2**30:.2f}/{self.total_bytes / 2**30:.2f} GiB "
+                         f"{time.perf_counter() - self.t0:6.1f}s")
+        if self.done == self.total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
 
 
 def release_formats(c: ModelConfig, paths: list[Path_]) -> dict[Path_, tuple]:

@@ -51,3 +51,42 @@ def random_params(c: ModelConfig, abstract: dict[tuple, jax.ShapeDtypeStruct], s
         else:
             out[path] = a.astype(spec.dtype)
     return out
+
+
+def random_release_params(c: ModelConfig, abstract: dict[tuple, jax.ShapeDtypeStruct], seed: int = 0,
+                          *, to_device: bool = True) -> dict[tuple, object]:
+    """Random parameters already in the release formats of `abstract` (`dsv41.weight_formats`), drawn as bytes:
+    FP8 linears as e4m3 of N(0, 16) with a block exponent giving rows of about unit norm, MXFP4 experts as random
+    e2m1 codes with a like exponent, FP8 Engram rows likewise; other tensors as `random_params`. Each tensor goes
+    to the device as soon as it is drawn (`to_device`), so host memory holds one tensor: full-width presets
+    (v41-flash-slice, 65 GB) can be built without a float copy of the model."""
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    rng = np.random.default_rng(seed)
+    put = jnp.asarray if to_device else (lambda a: a)
+    out = {}
+    for path in sorted(abstract, key=lambda p: tuple(str(x) for x in p)):
+        spec, leaf = abstract[path], str(path[-1])
+        dtype = np.dtype(spec.dtype)
+        if leaf.endswith("scale") and dtype == np.uint8:
+            continue  # drawn with its values below
+        sibling = path[:-1] + ((leaf + "_scale",) if leaf in ("w1", "w2", "w3") else ("scale",))
+        if dtype == np.dtype(ml_dtypes.float8_e4m3fn):  # FP8 linear or Engram table: e4m3 x 2**(byte - 127)
+            rows_in = spec.shape[-1]
+            v = np.empty(spec.shape, ml_dtypes.float8_e4m3fn)
+            step = max(1, (1 << 26) // rows_in)  # ~64M values per draw: a 6 GB Engram table never becomes 24 GB
+            for r in range(0, spec.shape[0], step):
+                chunk = v[r:r + step]
+                chunk[...] = 4.0 * rng.standard_normal(chunk.shape, dtype=np.float32)
+            exp = 127 - int(np.round(np.log2(4.0 * np.sqrt(rows_in))))
+            out[path] = put(v)
+            out[sibling] = put(np.full(abstract[sibling].shape, exp, np.uint8))
+        elif dtype == np.uint8 and sibling in abstract:  # packed MXFP4 experts: random e2m1 codes (rms ~3.3)
+            In = 2 * spec.shape[-1]
+            out[path] = put(rng.integers(0, 256, spec.shape, dtype=np.uint8))
+            out[sibling] = put(np.full(abstract[sibling].shape, 127 - int(np.round(np.log2(3.3 * np.sqrt(In)))),
+                                       np.uint8))
+        else:
+            out[path] = put(_draw(path, spec.shape, rng, c).astype(dtype))
+    return out

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import indexer, mhc, moe_gmm, router
+from pallas_kernels import fp8_linear, indexer, mhc, moe_gmm, router
 from pallas_kernels import sparse_attention as sa
 from pallas_kernels.expert_weights import QuantizedExperts, weight_bytes
 from pallas_kernels.tiles import max_tiles, plan_tiles
@@ -192,6 +192,18 @@ def _moe_case(rng, weights, *, T: int, kind: str, smoke: bool):
                 lambda *a: moe_gmm.xla(*a, **kw), by, 2.0 * T * k * 3 * I * D, others)
 
 
+def _fp8_linear_case(rng, *, T: int, smoke: bool):
+    """wq_b of V4.1-Flash ([H*d, q_lora] = [32768, 1280], FP8 32x32 blocks): fused decode vs XLA's decode + dot."""
+    O, I = (256, 128) if smoke else (32768, 1280)
+    w = jax.random.bits(jax.random.key(2), (O, I), jnp.uint8) & 0x7E  # positive e4m3 codes below NaN
+    s = jnp.full((O // 32, I // 32), 127 - int(round(np.log2(40 * np.sqrt(I)))), jnp.uint8)
+    x = jnp.asarray(rng.standard_normal((T, I)), jnp.bfloat16)
+    kw = dict(block=(32, 32), dtype=jnp.bfloat16, out_dtype=jnp.bfloat16)
+    by = O * I * (1 + 1 / 1024) + T * (I + O) * 2
+    return Case(f"fp8_linear wq_b T={T}", (x, w, s), lambda *a: fp8_linear.pallas(*a, **kw),
+                lambda *a: fp8_linear.xla(*a, **kw), lambda *a: fp8_linear.reference(*a, **kw), by, 2.0 * T * O * I)
+
+
 def cases(smoke: bool, rng) -> list[Case]:
     if smoke:
         return [_attention_case(rng, B=2, ctx=64, prefill_rows=0, smoke=True),
@@ -200,6 +212,7 @@ def cases(smoke: bool, rng) -> list[Case]:
                 _indexer_case(rng, B=2, ctx=64, candidates=False, smoke=True),
                 _indexer_case(rng, B=2, ctx=256, candidates=True, smoke=True),
                 _mhc_case(rng, T=5, smoke=True),
+                _fp8_linear_case(rng, T=5, smoke=True),
                 _moe_case(rng, {"mxfp4": _moe_weights(jax.random.key(1), True, "mxfp4")}, T=5, kind="mxfp4",
                           smoke=True)]
     out = [_attention_case(rng, B=B, ctx=ctx, prefill_rows=0, smoke=False) for ctx in (8192, 131072) for B in (1, 8, 64)]
@@ -208,6 +221,7 @@ def cases(smoke: bool, rng) -> list[Case]:
     out += [_indexer_case(rng, B=B, ctx=ctx, candidates=True, smoke=False) for ctx in (8192, 131072) for B in (1, 8, 64)]
     out += [_indexer_case(rng, B=B, ctx=8192, candidates=False, smoke=False) for B in (1, 64)]
     out += [_mhc_case(rng, T=T, smoke=False) for T in (1, 64, 4096)]
+    out += [_fp8_linear_case(rng, T=T, smoke=False) for T in (1, 64, 8192)]
     weights = {kind: _moe_weights(jax.random.key(1), False, kind) for kind in ("mxfp4", "bf16")}
     out += [_moe_case(rng, weights, T=T, kind="mxfp4", smoke=False) for T in (1, 8, 64, 4096)]
     out += [_moe_case(rng, weights, T=T, kind="bf16", smoke=False) for T in (1, 64, 4096)]

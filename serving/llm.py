@@ -61,7 +61,7 @@ class LLM:
         if isinstance(model, dsv41.Model):
             src = ModelSource(model, tokenizer, model_args.served_model_name or "dsv41", "in-memory model")
         else:
-            src = load_model(model_args, engine_args.runtime.seed)
+            src = load_model(model_args, engine_args.runtime.seed, engine_args.parallel, progress=progress)
             src.tokenizer = tokenizer or src.tokenizer
         self.source = src
         self.tokenizer = src.tokenizer

@@ -28,8 +28,8 @@ class ModelArgs:
     served_model_name: str | None = field(default=None, metadata={
         "help": "model id clients send (default: the folder or preset name)"})
     dtype: str = field(default="auto", metadata={"choices": DTYPES, "help": (
-        "compute dtype; auto = the checkpoint's (bfloat16 for a release checkpoint, float32 for one stored in "
-        "float32 and for presets), but float32 on a CPU without native bfloat16 matmuls (dsv41.auto_dtype)")})
+        "compute dtype; auto = the checkpoint's (bfloat16 for a release checkpoint and the full-size presets, "
+        "float32 for one stored in float32 and the test presets), but float32 on a CPU without native bfloat16 matmuls (dsv41.auto_dtype)")})
     engram_cpu_offload: bool = field(default=True, metadata={
         "help": "keep a checkpoint's FP8 Engram tables in host memory, mapped from its files and shared by every "
                 "process on the host; each step gathers only its rows (vLLM's engram cpu_offload). Tables that "
@@ -48,34 +48,46 @@ class ModelSource:
     description: str  # one line for the banner
 
 
-def load_model(args: ModelArgs, seed: int = 0) -> ModelSource:
-    """The model, its tokenizer and its served name; `seed` draws a preset's random weights."""
-    src = _load(args.model, args.dtype, seed, args.engram_cpu_offload)
+def load_model(args: ModelArgs, seed: int = 0, parallel=None, progress: bool = False) -> ModelSource:
+    """The model, its tokenizer and its served name; `seed` draws a preset's random weights. `parallel`
+    (sharding.mesh.ParallelConfig) over several devices: a checkpoint's tensors are placed on that mesh as
+    they are read, each device receiving only its shards. `progress`: a loading bar on stderr."""
+    shardings = None
+    if parallel is not None and parallel.world_size > 1:
+        from sharding.mesh import make_mesh
+        from sharding.rules import param_sharding_fn
+
+        shardings = param_sharding_fn(make_mesh(parallel))
+    src = _load(args.model, args.dtype, seed, args.engram_cpu_offload, shardings, progress)
     src.name = args.served_model_name or src.name
     src.description += f"; {_weights(src.model)}"
     return src
 
 
-def _load_checkpoint(path: Path, dtype: str, engram_cpu_offload: bool) -> dsv41.Model:
+def _load_checkpoint(path: Path, dtype: str, engram_cpu_offload: bool, shardings, progress: bool) -> dsv41.Model:
     offload = engram_cpu_offload and fp8_engram_tables(path)
-    return dsv41.load(path, dtype=dtype, engram_cpu_offload=offload)
+    return dsv41.load(path, dtype=dtype, engram_cpu_offload=offload, shardings=shardings, progress=progress)
 
 
-def _load(model: str | None, dtype: str, seed: int, engram_cpu_offload: bool) -> ModelSource:
+def _load(model: str | None, dtype: str, seed: int, engram_cpu_offload: bool, shardings=None,
+          progress: bool = False) -> ModelSource:
     if model is None:
-        m = _load_checkpoint(NANO_DIR, dtype, engram_cpu_offload)
+        m = _load_checkpoint(NANO_DIR, dtype, engram_cpu_offload, shardings, progress)
         return ModelSource(m, Tokenizer.from_dir(NANO_DIR), DEFAULT_NAME,
                            f"built-in default: nano-austen, a {_params(m)} V4.1 trained on five Jane Austen novels "
                            f"(release formats, {NANO_DIR}); it writes Austen-like prose, not answers - pass --model "
                            "for a checkpoint")
     path = Path(model)
     if path.is_dir():
-        m = _load_checkpoint(path, dtype, engram_cpu_offload)
+        m = _load_checkpoint(path, dtype, engram_cpu_offload, shardings, progress)
         tok = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
         note = "" if tok else " (no tokenizer.json: token-id prompts only)"
         return ModelSource(m, tok, path.name, f"checkpoint {path}{note}")
     if model in dsv41.PRESETS:
-        m = dsv41.random_model(model, seed=seed, dtype="float32" if dtype == "auto" else dtype)
+        release = dsv41.load_config(model).quantization is not None  # the full-size presets: release formats
+        if dtype == "auto":
+            dtype = dsv41.auto_dtype({}, release=release).name
+        m = dsv41.random_model(model, seed=seed, dtype=dtype, engram_cpu_offload=release and engram_cpu_offload)
         return ModelSource(m, byte_level_tokenizer(m.config.vocab_size), f"dsv41-{model}",
                            f"preset '{model}' with random weights (seed {seed}) and a byte-level tokenizer")
     raise ValueError(f"--model {model!r} is neither a checkpoint folder nor a preset "

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
 
     enable_compilation_cache(srv.compilation_cache_dir)
     try:
-        src = load_model(args.model, ea.runtime.seed)
+        src = load_model(args.model, ea.runtime.seed, ea.parallel, progress=True)
         _say(f"model: {src.description}")
         _say(f"loaded in {time.perf_counter() - t0:.1f}s; precompiling the step buckets "
              f"(cached in {srv.compilation_cache_dir or 'memory only'}) ...")

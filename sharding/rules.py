@@ -114,6 +114,12 @@ def param_shardings(mesh: Mesh, shapes: dict[tuple, tuple[int, ...]]) -> dict[tu
     return {p: NamedSharding(mesh, spec) for p, spec in specs.items()}
 
 
+def param_sharding_fn(mesh: Mesh):
+    """`(parameter path, shape) -> NamedSharding` by the table: what `dsv41.load(..., shardings=)` takes to place
+    each tensor's shards straight from the checkpoint."""
+    return lambda path, shape: NamedSharding(mesh, to_spec(mesh, param_logical(path), tuple(shape)))
+
+
 def fallbacks(mesh: Mesh, shapes: dict[tuple, tuple[int, ...]]) -> list[str]:
     """Rule-named tensors replicated on some dimension because the mesh size did not divide it."""
     out = set()

@@ -128,3 +128,19 @@ def test_dtype_auto_follows_the_checkpoint_and_the_cpu(tiny_dir, tmp_path, monke
     assert dsv41.load(tmp_path, dtype="auto").dtype == np.float32  # stored in float32
     with pytest.raises(ValueError, match="dtype must be one of"):
         dsv41.load(tiny_dir, dtype="float16")
+
+
+def test_random_release_model_is_built_in_the_release_formats():
+    """A config with a quantization_config (the full-size presets) gets random weights drawn as release bytes:
+    the formats of its release checkpoint, finite logits, and the same with the Engram tables on the host."""
+    c = dsv41.load_config("tiny").replace(quantization={"quant_method": "fp8", "weight_block_size": [32, 32]})
+    model = dsv41.random_model(c, seed=2)
+    _, dense = dsv41.abstract_params(c, np.float32, True)
+    from dsv41.checkpoint import release_formats
+
+    assert model.formats == release_formats(c, list(dense))
+    logits = model.logits(np.arange(24))
+    assert np.isfinite(logits).all() and 0.1 < logits.std() < 10
+    host = dsv41.random_model(c, seed=2, engram_cpu_offload=True)
+    assert host.engram_tables is not None and np.isfinite(host.logits(np.arange(24))).all()
+    assert dsv41.random_model("tiny").formats == {}  # the test presets keep float weights

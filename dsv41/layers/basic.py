@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels import fp8_linear
+
 
 def matmul_precision(dtype: jnp.dtype) -> jax.lax.Precision:
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
@@ -31,25 +33,17 @@ def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float, out_dtype: jnp.
     return y.astype(out_dtype or x.dtype)
 
 
-def decode_fp8_blocks(w_OI: jax.Array, scale: jax.Array, block: tuple[int, int], dtype: jnp.dtype) -> jax.Array:
-    """e4m3 [O, I] x 2**(scale byte - 127) per b0 x b1 block -> [O, I] in `dtype` (exact: a power-of-two scale of
-    an e4m3 value is representable in bfloat16 and float32). Inside a jitted step the decoded matrix is a
-    temporary of the op that reads it; nothing keeps it alive between uses."""
-    O, I = w_OI.shape
-    s = jnp.ldexp(jnp.float32(1.0), scale.astype(jnp.int32) - 127)
-    s = jnp.repeat(jnp.repeat(s, block[0], axis=0), block[1], axis=1)[:O, :I]
-    return (w_OI.astype(jnp.float32) * s).astype(dtype)
-
-
 class Linear(nnx.Module):
     """Bias-free linear layer; `weight` is [out_features, in_features] as stored in the checkpoint.
 
     `store_fp8(block)` keeps the weight in the release's FP8 format on the device: `weight` e4m3 [O, I] and
-    `scale` UE8M0 exponent bytes [ceil(O/b0), ceil(I/b1)]; each call decodes it to `dtype` (the compute dtype).
+    `scale` UE8M0 exponent bytes [ceil(O/b0), ceil(I/b1)]; each call decodes what it reads to `dtype` (the
+    compute dtype) through `pallas_kernels.fp8_linear` with `kernel_impl` (static; see `set_kernel_impl`).
     """
 
     def __init__(self, in_features: int, out_features: int, *, dtype: jnp.dtype):
         self.dtype = jnp.dtype(dtype)
+        self.kernel_impl = "auto"
         self.weight = nnx.Param(jnp.zeros((out_features, in_features), dtype))
         self.scale: nnx.Param | None = nnx.data(None)
         self.block: tuple[int, int] | None = None
@@ -64,10 +58,13 @@ class Linear(nnx.Module):
         """The weight [O, I] in the compute dtype."""
         if self.scale is None:
             return self.weight[...]
-        return decode_fp8_blocks(self.weight[...], self.scale[...], self.block, self.dtype)
+        return fp8_linear.decode(self.weight[...], self.scale[...], self.block, self.dtype)
 
     def __call__(self, x: jax.Array, out_dtype: jnp.dtype | None = None) -> jax.Array:
-        return dense(x, self.matrix(), out_dtype)
+        if self.scale is None:
+            return dense(x, self.weight[...], out_dtype)
+        return fp8_linear.fp8_linear(x, self.weight[...], self.scale[...], block=self.block, dtype=self.dtype,
+                                     out_dtype=out_dtype or self.dtype, impl=self.kernel_impl)
 
 
 class RMSNorm(nnx.Module):

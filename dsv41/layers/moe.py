@@ -65,8 +65,8 @@ class Router(nnx.Module):
 
 def set_kernel_impl(module: nnx.Module, impl: str) -> None:
     """Run every fused op under `module` through `impl` ("auto" | "reference" | "xla" | "pallas"): each module
-    declaring a static `kernel_impl` (Router, Experts, and Block for the mHC post + collapse + norm); takes
-    effect for graphdefs split after the call."""
+    declaring a static `kernel_impl` (Router, Experts, Linear for FP8 weights, and Block for the mHC post +
+    collapse + norm); takes effect for graphdefs split after the call."""
     resolve_impl(impl)  # refuse unknown names here, not at trace time
     for _, m in nnx.iter_modules(module):
         if hasattr(m, "kernel_impl"):

@@ -87,9 +87,10 @@ def export(run: Path, out: Path, data: Path, *, eval_windows_n: int = 8, seq_len
     if not np.array_equal(nano.heldout_tokens(out), load_tokens(data, "heldout")):
         raise SystemExit(f"error: {out / nano.HELDOUT_TEXT} does not tokenize to {data}/heldout.tokens.npy")
 
-    exported = dsv41.load(out)
+    exported = dsv41.load(out)  # as served: weights kept in their release formats
+    decoded = dsv41.load(out, weights="dequantize").params
     expected = release_roundtrip(c, params)
-    param_diff = max(float(np.abs(np.asarray(exported.params[p], np.float32) - np.asarray(v, np.float32)).max())
+    param_diff = max(float(np.abs(np.asarray(decoded[p], np.float32) - np.asarray(v, np.float32)).max())
                      for p, v in expected.items())
     windows = eval_windows(nano.heldout_tokens(out), seq_len, limit=eval_windows_n)
     roundtrip = dsv41.Model(c, expected, token_map=exported.token_map)

@@ -55,6 +55,44 @@ def _keys(r: Runner, lengths, args, bounded: bool) -> list[tuple]:
     return sorted(keys | {("sample",)})
 
 
+_EXPERT_LEAVES = {"w1", "w2", "w3", "w1_scale", "w2_scale", "w3_scale"}
+
+
+def weight_read_rate(n_bytes: int = 1 << 28, reps: int = 10) -> float:
+    """This device's streaming rate in bytes read per second: a jitted sum over a `n_bytes` float32 array."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((n_bytes // 4,), jnp.float32)
+    f = jax.jit(jnp.sum)
+    f(x).block_until_ready()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        f(x).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return n_bytes / statistics.median(times)
+
+
+def decode_weight_bytes(model, batch: int) -> float:
+    """Parameter bytes a decode step of `batch` tokens reads: every backbone weight once, the embedding rows of
+    the batch, and of each layer's routed experts the expected share touched by uniform routing
+    (E * (1 - (1 - k/E)^batch) of E); the DSpark drafter is not run by a plain decode step."""
+    c = model.config
+    total = 0.0
+    for path, a in model.params.items():
+        if path[0] == "dspark":
+            continue
+        if path == ("embed", "weight"):
+            total += batch * a.nbytes / a.shape[0]
+        elif str(path[-1]) in _EXPERT_LEAVES:
+            E, k = a.shape[0], c.num_experts_per_tok
+            total += a.nbytes * (1 - (1 - k / E) ** batch)
+        else:
+            total += a.nbytes
+    return total
+
+
 def bench_prefill(r: Runner, L: int, repeats: int, bounded: bool, vocab: int, profile_dir: str | None = None,
                   label: str = "") -> list[float]:
     def run(i: int) -> float:
@@ -99,7 +137,9 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-context", type=int, default=1024)
     ap.add_argument("--decode-steps", type=int, default=8)
     ap.add_argument("--block-size", type=int, default=64)
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="compute dtype (the full-size presets, e.g. v41-flash-slice, get release-format random "
+                         "weights: FP8 linears, MXFP4 experts)")
     ap.add_argument("--out", default="bench_prefill.json")
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--profile-dir", default=None, help="write a jax.profiler trace of each measurement here")
@@ -110,7 +150,7 @@ def main(argv=None) -> int:
              else dsv41.load(args.model, dtype=args.dtype))
     vocab = model.config.vocab_size
     result = {"model": args.model, "dtype": args.dtype, "repeats": args.repeats, "prefill": {}, "decode": {},
-              "compile_seconds": {}}
+              "compile_seconds": {}, "weight_read_bytes_per_s": weight_read_rate()}
     for bounded in (False, True):
         mode = "replay_on" if bounded else "replay_off"
         r = _runner(model, args, lengths, bounded)
@@ -120,8 +160,12 @@ def main(argv=None) -> int:
             result["prefill"].setdefault(str(L), {})[mode] = {"median_s": statistics.median(times), "runs_s": times}
         if bounded:
             for B in args.decode_batches:
-                result["decode"][str(B)] = {"tokens_per_s": bench_decode(
-                    r, B, args.decode_context, args.decode_steps, vocab, args.profile_dir, f"decode_batch{B}")}
+                tps = bench_decode(r, B, args.decode_context, args.decode_steps, vocab, args.profile_dir,
+                                   f"decode_batch{B}")
+                floor = decode_weight_bytes(model, B) / result["weight_read_bytes_per_s"]
+                result["decode"][str(B)] = {"tokens_per_s": tps, "step_s": B / tps,
+                                            "weight_bytes_per_step": decode_weight_bytes(model, B),
+                                            "weight_read_floor_s": floor, "step_over_floor": B / tps / floor}
         del r
     lines = [f"prefill, {args.model} ({args.dtype}), median of {args.repeats} after warm-up, compile excluded",
              f"{'tokens':>7} {'replay off (s)':>15} {'replay on (s)':>14} {'on/off':>7}"]
@@ -130,8 +174,13 @@ def main(argv=None) -> int:
         p["ratio"] = p["replay_on"]["median_s"] / p["replay_off"]["median_s"]
         off, on = p["replay_off"]["median_s"], p["replay_on"]["median_s"]
         lines.append(f"{L:>7} {off:>15.3f} {on:>14.3f} {p['ratio']:>7.2f}")
-    lines += ["", f"decode, context {args.decode_context}", f"{'batch':>7} {'tokens/s':>10}"]
-    lines += [f"{B:>7} {result['decode'][str(B)]['tokens_per_s']:>10.1f}" for B in args.decode_batches]
+    lines += ["", f"decode, context {args.decode_context}; floor = the step's weight bytes at this device's "
+              f"measured streaming rate ({result['weight_read_bytes_per_s'] / 1e9:.0f} GB/s)",
+              f"{'batch':>7} {'tokens/s':>10} {'step ms':>9} {'weights MB':>11} {'floor ms':>9} {'step/floor':>11}"]
+    for B in args.decode_batches:
+        d = result["decode"][str(B)]
+        lines.append(f"{B:>7} {d['tokens_per_s']:>10.1f} {d['step_s'] * 1e3:>9.2f} {d['weight_bytes_per_step'] / 1e6:>11.1f}"
+                     f" {d['weight_read_floor_s'] * 1e3:>9.3f} {d['step_over_floor']:>11.1f}")
     print("\n".join(lines))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -17,12 +17,12 @@ def test_smoke_run_writes_report(tmp_path, capsys):
     report = bench.main(["--smoke", "--reps", "1", "--out", str(out)])
     saved = json.loads(out.read_text())
     assert saved["results"] == json.loads(json.dumps(report["results"]))
-    assert len(saved["results"]) == 7 and saved["ceilings"]["copy_bytes_per_s"] > 0
+    assert len(saved["results"]) == 8 and saved["ceilings"]["copy_bytes_per_s"] > 0
     for r in saved["results"]:
         assert r["max_abs_diff_vs_check"] < 5e-2, r  # bf16 inputs
         assert r["pallas_s"] > 0 and r["predicted_h200_s"] > 0
     out = capsys.readouterr().out
-    assert "sparse_mla decode B=2" in out and "moe_gmm mxfp4 decode B=5" in out
+    assert "sparse_mla decode B=2" in out and "moe_gmm mxfp4 decode B=5" in out and "fp8_linear wq_b T=5" in out
 
 
 def _ragged_dot_by_rows(lhs_MK, rhs_GKN, group_sizes_G, preferred_element_type):

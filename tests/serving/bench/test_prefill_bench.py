@@ -1,0 +1,26 @@
+"""`serving.bench.prefill`'s decode floor: the weight bytes a decode step reads and the measured streaming rate."""
+
+import numpy as np
+
+import dsv41
+from serving.bench.prefill import decode_weight_bytes, weight_read_rate
+
+
+def test_decode_reads_every_backbone_weight_and_the_touched_share_of_the_experts():
+    m = dsv41.random_model("tiny", seed=0)
+    c = m.config
+    experts = sum(a.nbytes for p, a in m.params.items() if p[0] == "layers" and p[-1] in ("w1", "w2", "w3"))
+    dspark = sum(a.nbytes for p, a in m.params.items() if p[0] == "dspark")
+    embed = m.params[("embed", "weight")].nbytes
+    rest = m.device_bytes() - experts - dspark - embed
+    one = decode_weight_bytes(m, 1)
+    k, E = c.num_experts_per_tok, c.n_routed_experts
+    np.testing.assert_allclose(one, rest + embed / c.vocab_size + experts * k / E, rtol=1e-9)
+    many = decode_weight_bytes(m, 4096)  # every expert touched
+    np.testing.assert_allclose(many, rest + 4096 * embed / c.vocab_size + experts, rtol=1e-6)
+    assert one < decode_weight_bytes(m, 8) < many
+
+
+def test_streaming_rate_is_measured():
+    rate = weight_read_rate(1 << 22, reps=3)
+    assert 1e8 < rate < 1e14
