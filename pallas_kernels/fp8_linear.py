@@ -109,7 +109,7 @@ def pallas(x_TI, w_OI, scale, *, block: tuple[int, int], dtype, out_dtype, block
     Tp = -(-T // bm) * bm
     x = jnp.pad(x, ((0, Tp - T), (0, 0)))
     v, s = _as_bytes(w_OI), scale.astype(jnp.uint8)
-    whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)  # noqa: E731 (Triton: a pointer)
+    whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)
     y = pl.pallas_call(
         functools.partial(_kernel, block=tuple(block), bn=bn, bk=bk, dtype=jnp.dtype(dtype), prec=_precision(dtype)),
         grid=(Tp // bm, O // bn), out_shape=jax.ShapeDtypeStruct((Tp, O), out_dtype),

@@ -11,7 +11,11 @@ import pytest
 import dsv41
 from dsv41.checkpoint import save_checkpoint
 from dsv41.safetensors_io import CheckpointError, open_checkpoint, write_checkpoint
-from serving.bench.load_memory import run_measure, synthetic_config, write_synthetic_checkpoint
+from serving.bench.load_memory import (
+    run_measure,
+    synthetic_config,
+    write_synthetic_checkpoint,
+)
 from sharding.mesh import ParallelConfig, make_mesh
 from sharding.model import ShardedModel
 from sharding.rules import param_sharding_fn, param_shardings

@@ -163,8 +163,8 @@ def main(argv=None) -> int:
     r.update(checkpoint_bytes=written, write_seconds=round(write_s, 1), experts=a.experts,
              moe_intermediate=a.moe_intermediate)
     gib = 2**30
-    print(f"| checkpoint | layout | load s | peak anon above baseline | held by devices | peak overhead | "
-          f"largest tensor | overhead / largest | each device its shard |")
+    print("| checkpoint | layout | load s | peak anon above baseline | held by devices | peak overhead | "
+          "largest tensor | overhead / largest | each device its shard |")
     print("|---|---|---|---|---|---|---|---|---|")
     print(f"| {written / gib:.2f} GiB | {r['layout']} x{r['devices']} | {r['load_seconds']} | "
           f"{r['peak_anon_above_baseline'] / gib:.2f} GiB | {r['param_bytes_held_by_devices'] / gib:.2f} GiB | "

@@ -174,8 +174,8 @@ def main(argv=None) -> int:
         p["ratio"] = p["replay_on"]["median_s"] / p["replay_off"]["median_s"]
         off, on = p["replay_off"]["median_s"], p["replay_on"]["median_s"]
         lines.append(f"{L:>7} {off:>15.3f} {on:>14.3f} {p['ratio']:>7.2f}")
-    lines += ["", f"decode, context {args.decode_context}; floor = the step's weight bytes at this device's "
-              f"measured streaming rate ({result['weight_read_bytes_per_s'] / 1e9:.0f} GB/s)",
+    lines += ["", (f"decode, context {args.decode_context}; floor = the step's weight bytes at this device's "
+                   f"measured streaming rate ({result['weight_read_bytes_per_s'] / 1e9:.0f} GB/s)"),
               f"{'batch':>7} {'tokens/s':>10} {'step ms':>9} {'weights MB':>11} {'floor ms':>9} {'step/floor':>11}"]
     for B in args.decode_batches:
         d = result["decode"][str(B)]

@@ -35,7 +35,7 @@ def test_pallas_and_xla_match_the_reference(T, O, I, block, dtype):
 
 
 def test_partial_blocks_take_the_xla_path():
-    rng, seed = seeded_rng()
+    rng, _ = seeded_rng()
     w, s = _weight(rng, 40, 48, (32, 32))  # 40 rows: no power-of-two tile of whole blocks
     x = jnp.asarray(rng.standard_normal((3, 48)), jnp.float32)
     assert fp8_linear.tiles(40, 48, (32, 32)) is None
@@ -45,7 +45,7 @@ def test_partial_blocks_take_the_xla_path():
 
 
 def test_the_model_linear_runs_the_kernel_it_is_set_to():
-    rng, seed = seeded_rng()
+    rng, _ = seeded_rng()
     lin = Linear(128, 64, dtype=jnp.float32)
     lin.store_fp8((32, 32))
     w, s = _weight(rng, 64, 128, (32, 32))
