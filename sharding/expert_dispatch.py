@@ -9,9 +9,10 @@ dimension over the moe_tp axes):
   2. all_to_all over the expert axes -> [ep sources, E_local, C, D];
   3. every received row through its local expert with the rank's intermediate slice - the model's own
      grouped matmul (`pallas_kernels.moe_gmm.routed_experts`, empty slots skipped), so each row's
-     arithmetic is the single-device model's - then psum over moe_tp (partial sums of the intermediate
-     slices, only where that split exists);
-  4. all_to_all back and gather each pair's row from its slot; sum over the k choices.
+     arithmetic is the single-device model's;
+  4. all_to_all back and gather each pair's row from its slot; sum over the k choices; then psum over moe_tp
+     (the partial sums of the intermediate slices, only where that split exists): one [T, D] all-reduce per
+     layer, not one over the capacity-padded buffers.
 
 No token is dropped: C is the smallest of a few static capacity buckets (a ladder of halvings from the
 worst case, every local token choosing the same expert) that holds the largest per-(rank, expert) count of
@@ -132,12 +133,16 @@ def _dispatch_at_capacity(x_TD, sel_Tk, pos_Tk, w_Tk, w1_EID, w3_EID, w2_EDI, *,
     with jax.named_scope("moe_experts"):
         out_SECD = _received_experts(recv_SECD, recv_id_SEC, recv_w_SEC, w1_EID, w3_EID, w2_EDI, limit=limit,
                                      impl=impl)
-        if moe_tp:  # an all-reduce over one device still costs a copy on XLA:CPU
-            out_SECD = jax.lax.psum(out_SECD, moe_tp)
     with jax.named_scope("moe_combine"):
         back_ECD = jax.lax.all_to_all(out_SECD, EP_AXES, 0, 0, tiled=True).reshape(E, C, D)
         rows_TkD = back_ECD.at[sel_Tk, pos_Tk].get(mode="fill", fill_value=0.0)
-    return jnp.sum(rows_TkD, axis=1)  # over the k choices in float32, as moe_gmm's combine
+        y_TD = jnp.sum(rows_TkD, axis=1)  # over the k choices in float32, as moe_gmm's combine
+    if moe_tp:
+        # The partial sums over the intermediate slices, reduced once per token after the combine: [T, D], not
+        # the capacity-padded [E_local, C, D] (at full size 1.3 MB instead of 503 MB per layer of a TP4 decode
+        # step). An all-reduce over one device still costs a copy on XLA:CPU, hence the condition.
+        y_TD = jax.lax.psum(y_TD, moe_tp)
+    return y_TD
 
 
 def _received_experts(x_SECD, id_SEC, w_SEC, w1_EID, w3_EID, w2_EDI, *, limit: float, impl: str) -> jax.Array:
@@ -146,8 +151,8 @@ def _received_experts(x_SECD, id_SEC, w_SEC, w1_EID, w3_EID, w2_EDI, *, limit: f
 
     The rows go through `moe_gmm.routed_experts` as single-choice pairs, so each row's arithmetic (matmul
     shapes and casts, where the router weight is applied, the dtype of h before w2) is the one the
-    single-device model runs; only the sums over the intermediate slices (psum over moe_tp) and over the k
-    choices happen outside it."""
+    single-device model runs; only the sums over the k choices and over the intermediate slices (psum over
+    moe_tp) happen outside it."""
     S, E_local, C, D = x_SECD.shape
     y_PD = routed_experts(x_SECD.reshape(-1, D), id_SEC.reshape(-1, 1), w_SEC.reshape(-1, 1), w1_EID, w3_EID,
                           w2_EDI, limit=limit, impl=impl)
