@@ -208,9 +208,14 @@ class _LoadProgress:
 
     def __init__(self, tensors: int, nbytes: int):
         self.total, self.total_bytes, self.done, self.bytes, self.t0 = tensors, nbytes, 0, 0, time.perf_counter()
+        self.shown = 0.0
 
     def update(self, tensors: int, nbytes: int) -> None:
         self.done, self.bytes = self.done + tensors, self.bytes + nbytes
+        now = time.perf_counter()
+        if self.done < self.total and now - self.shown < 0.5:  # a redraw every half second is enough
+            return
+        self.shown = now
         fill = int(24 * self.bytes / max(self.total_bytes, 1))
         sys.stderr.write(f"\r[{'#' * fill}{'.' * (24 - fill)}] loading {self.done}/{self.total} tensors, "
                          f"{self.bytes / 2**30:.2f}/{self.total_bytes / 2**30:.2f} GiB "
