@@ -274,8 +274,9 @@ def auto_dtype(entries: dict, *, release: bool | None = None) -> jnp.dtype:
     """The compute dtype `--dtype auto` picks for a checkpoint's tensors (`{name: TensorEntry}`).
 
     Rule: the checkpoint's dtype - bfloat16 for a release checkpoint (FP8 / MXFP4 / BF16 tensors; `release`
-    says it without entries, e.g. for a preset), float32 for one stored in float32 - except that on a CPU without native bfloat16 matmuls (no AVX512-BF16 / AMX-BF16 /
-    Arm BF16; XLA:CPU then emulates them, slower than float32) it is float32."""
+    says it without entries, e.g. for a preset), float32 for one stored in float32 - except that on a CPU
+    without native bfloat16 matmuls (no AVX512-BF16 / AMX-BF16 / Arm BF16; XLA:CPU then emulates them, slower
+    than float32) it is float32."""
     stored = {e.dtype for e in entries.values()}
     wants_bf16 = bool(stored & {"BF16", "F16", "F8_E4M3", "I8"}) if release is None else release
     if wants_bf16 and jax.default_backend() == "cpu" and not cpu_has_native_bf16():
