@@ -97,13 +97,20 @@ class HostEngramTables:
             out_v[..., i, :, :] = np.take(self.values[i], ids, axis=0)
             out_s[..., i, :, :] = np.take(self.scales[i], ids, axis=0)
 
-    def gather(self, hash_ids: np.ndarray) -> EngramRows:
+    def gather(self, hash_ids: np.ndarray, valid: np.ndarray | None = None) -> EngramRows:
         """Rows of hash ids [..., L, C] (int) -> EngramRows of NumPy uint8 arrays [..., L, C, hd(/32)].
 
-        """
+        `valid` (bool over the leading dims, e.g. a step's real rows [T]): only those rows are gathered, the
+        others (a bucket's padding) are zeros."""
         ids = np.asarray(hash_ids)
         if ids.shape[-2] != len(self.values):
             raise ValueError(f"hash ids {list(ids.shape)}: expected {len(self.values)} Engram layers on axis -2")
+        if valid is not None and not np.all(valid):
+            rows = self.gather(ids[valid])
+            out_v = np.zeros((*ids.shape, self.head_dim), np.uint8)
+            out_s = np.zeros((*ids.shape, self.head_dim // 32), np.uint8)
+            out_v[valid], out_s[valid] = rows.values, rows.scales
+            return EngramRows(out_v, out_s)
         # Fresh buffers each step: an asynchronously dispatched step may still read the previous ones (and
         # a CPU device may alias host memory instead of copying it).
         out_v = np.empty((*ids.shape, self.head_dim), np.uint8)

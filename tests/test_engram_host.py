@@ -88,6 +88,10 @@ def test_table_order_gather_equals_the_plain_gather():
         np.testing.assert_array_equal(got.values[..., 1, :, :], values[1][ids[..., 1, :]])
         np.testing.assert_array_equal(got.scales[..., 0, :, :], scales[0][ids[..., 0, :]])
     np.testing.assert_array_equal(ordered.values, plain.values)
+    valid = np.array([True, False, True])  # a bucket's padding rows are not gathered: zeros
+    masked = HostEngramTables(values, scales).gather(ids, valid)
+    np.testing.assert_array_equal(masked.values[valid], plain.values[valid])
+    assert not masked.values[~valid].any() and not masked.scales[~valid].any()
 
 
 def test_unquantized_tables_cannot_live_on_the_host(tmp_path):

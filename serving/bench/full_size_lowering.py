@@ -108,7 +108,7 @@ class _AbstractEngramTables:
     def __init__(self, head_dim: int):
         self.head_dim = head_dim
 
-    def gather(self, hash_ids: np.ndarray) -> EngramRows:
+    def gather(self, hash_ids: np.ndarray, valid: np.ndarray | None = None) -> EngramRows:
         shape = np.shape(hash_ids)
         return EngramRows(np.zeros((*shape, self.head_dim), np.uint8), np.zeros((*shape, self.head_dim // 32), np.uint8))
 

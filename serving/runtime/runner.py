@@ -166,7 +166,7 @@ class Runner:
         batch = build_step(chunks, self.buckets, max_blocks=self.max_blocks, window=self.config.sliding_window,
                            block_size=self.layout.block_size, **engram, **forced)
         if self.model.engram_tables is not None:  # host tables: the step carries its rows, not their ids
-            rows = self.model.engram_tables.gather(batch.rows.engram_TEc)
+            rows = self.model.engram_tables.gather(batch.rows.engram_TEc, valid=batch.rows.valid_T)  # no padding
             batch = dataclasses.replace(batch, rows=dataclasses.replace(batch.rows, engram_TEc=rows))
         return batch
 
