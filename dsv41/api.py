@@ -316,13 +316,12 @@ def random_model(config: ModelConfig | str, seed: int = 0, dtype: str | jnp.dtyp
         raise ValueError(f"weights must be 'float' or 'release', got {weights!r}")
     _, dense = abstract_params(c, dt, True)
     _, abstract = abstract_params(c, dt, True, checkpoint.release_formats(c, list(dense)))
-    tables = {p: a for p, a in abstract.items() if p[2:4] == ("engram", "embed")} if engram_cpu_offload else {}
-    params = random_release_params(c, {p: a for p, a in abstract.items() if p not in tables}, seed)
+    tables = frozenset(p for p in abstract if p[2:4] == ("engram", "embed")) if engram_cpu_offload else frozenset()
+    params = random_release_params(c, abstract, seed, on_host=tables)
     host = None
     if tables:
-        drawn = random_release_params(c, tables, seed + 1, to_device=False)
-        host = HostEngramTables([drawn[("layers", lid, "engram", "embed", "weight")].view(np.uint8)
+        host = HostEngramTables([params.pop(("layers", lid, "engram", "embed", "weight")).view(np.uint8)
                                  for lid in c.engram_layer_ids],
-                                [drawn[("layers", lid, "engram", "embed", "scale")] for lid in c.engram_layer_ids])
+                                [params.pop(("layers", lid, "engram", "embed", "scale")) for lid in c.engram_layer_ids])
     token_map = np.arange(c.vocab_size) % max(c.engram_compressed_vocab_size, 1) if c.engram_layer_ids else None
     return Model(c, params, dtype=dt, token_map=token_map, engram_tables=host)

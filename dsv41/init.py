@@ -54,20 +54,21 @@ def random_params(c: ModelConfig, abstract: dict[tuple, jax.ShapeDtypeStruct], s
 
 
 def random_release_params(c: ModelConfig, abstract: dict[tuple, jax.ShapeDtypeStruct], seed: int = 0,
-                          *, to_device: bool = True) -> dict[tuple, object]:
+                          *, on_host: frozenset = frozenset()) -> dict[tuple, object]:
     """Random parameters already in the release formats of `abstract` (`dsv41.weight_formats`), drawn as bytes:
     FP8 linears as e4m3 of N(0, 16) with a block exponent giving rows of about unit norm, MXFP4 experts as random
     e2m1 codes with a like exponent, FP8 Engram rows likewise; other tensors as `random_params`. Each tensor goes
-    to the device as soon as it is drawn (`to_device`), so host memory holds one tensor: full-width presets
-    (v41-flash-slice, 65 GB) can be built without a float copy of the model."""
+    to the device as soon as it is drawn, so host memory holds one tensor: full-width presets (v41-flash-slice,
+    65 GB) can be built without a float copy of the model. Paths in `on_host` stay NumPy arrays (host Engram
+    tables); the draws are the same either way."""
     import jax.numpy as jnp
     import ml_dtypes
 
     rng = np.random.default_rng(seed)
-    put = jnp.asarray if to_device else (lambda a: a)
     out = {}
     for path in sorted(abstract, key=lambda p: tuple(str(x) for x in p)):
         spec, leaf = abstract[path], str(path[-1])
+        put = (lambda a: a) if path in on_host else jnp.asarray
         dtype = np.dtype(spec.dtype)
         if leaf.endswith("scale") and dtype == np.uint8:
             continue  # drawn with its values below

@@ -5,9 +5,9 @@ ceil(I/b1)] (32 x 32 blocks in V4.1, 128 x 128 in V4). Numerics as `dsv41.layers
 decoded to the compute dtype (exact: a power-of-two scale of an e4m3 value), x is cast to it, float32
 accumulation, HIGHEST precision in float32.
 
-  reference  decodes through XLA's float8 type, then one dot (the spec)
-  xla        the same decode, written as the op's operand: XLA fuses it into the dot's producer where it can,
-             a temporary of that op otherwise (never a resident full-precision weight)
+  reference  decodes through XLA's float8 type, then one dot (the spec); it is also the `xla` path: the decode
+             is the dot's operand, which XLA fuses into the dot's producer where it can, a temporary of that
+             op otherwise (never a resident full-precision weight)
   pallas     a Triton kernel over (row tile, output block) walking the input in chunks; each weight tile is
              loaded as bytes with its scale bytes and decoded in registers (`expert_weights.decode_tile`),
              so HBM traffic is the FP8 bytes. Tiles must hold whole scale blocks and divide the weight;
@@ -56,8 +56,7 @@ def reference(x_TI, w_OI, scale, *, block: tuple[int, int], dtype, out_dtype):
     return _dot(x_TI, decode(w_OI, scale, block, dtype), dtype, out_dtype)
 
 
-def xla(x_TI, w_OI, scale, *, block: tuple[int, int], dtype, out_dtype):
-    return _dot(x_TI, decode(w_OI, scale, block, dtype), dtype, out_dtype)
+xla = reference  # the spec's form is already the CPU path (module docstring)
 
 
 def _pow2_divisor(n: int, cap: int) -> int:

@@ -7,16 +7,13 @@ import numpy as np
 import pytest
 
 import dsv41
-from dsv41.checkpoint import save_checkpoint
 from tests.conftest import HANG_TIMEOUT_S
+from tests.release_checkpoint import write_release
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny")
-    m = dsv41.random_model("tiny", seed=7)
-    save_checkpoint(folder, m.config, {p: np.asarray(v) for p, v in m.params.items()}, quantize=True)
-    return folder
+    return write_release(tmp_path_factory.mktemp("tiny"), "tiny", seed=7)
 
 
 def _run(*args):

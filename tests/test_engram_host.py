@@ -9,20 +9,17 @@ import numpy as np
 import pytest
 
 import dsv41
-from dsv41.checkpoint import save_checkpoint
 from dsv41.engram_host import HostEngramTables
 from dsv41.safetensors_io import open_checkpoint
 from serving.runtime.config import RuntimeConfig
 from serving.runtime.runner import Runner
+from tests.release_checkpoint import write_release
 from tests.serving.driver import Driver
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny_engram")
-    m = dsv41.random_model("tiny", seed=4)
-    save_checkpoint(folder, m.config, {p: np.asarray(v) for p, v in m.params.items()}, quantize=True)
-    return folder
+    return write_release(tmp_path_factory.mktemp("tiny_engram"), "tiny", seed=4)
 
 
 def test_host_tables_give_the_logits_of_device_tables(tiny_dir):
@@ -98,6 +95,6 @@ def test_unquantized_tables_cannot_live_on_the_host(tmp_path):
     m = dsv41.random_model("tiny", seed=4)
     with pytest.raises(ValueError, match="not FP8"):
         m.with_engram_on_host()
-    save_checkpoint(tmp_path, m.config, {p: np.asarray(v) for p, v in m.params.items()}, quantize=False)
+    write_release(tmp_path, m, quantize=False)
     with pytest.raises(dsv41.CheckpointError, match="must be F8_E4M3 to stay in host memory"):
         dsv41.load(tmp_path, engram_cpu_offload=True)

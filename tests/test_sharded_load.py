@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 import dsv41
-from dsv41.checkpoint import save_checkpoint
 from dsv41.safetensors_io import CheckpointError, open_checkpoint, write_checkpoint
 from serving.bench.load_memory import (
     run_measure,
@@ -19,14 +18,12 @@ from serving.bench.load_memory import (
 from sharding.mesh import ParallelConfig, make_mesh
 from sharding.model import ShardedModel
 from sharding.rules import param_sharding_fn, param_shardings
+from tests.release_checkpoint import write_release
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny_sharded")
-    m = dsv41.random_model("tiny", seed=6)
-    save_checkpoint(folder, m.config, {p: np.asarray(v) for p, v in m.params.items()}, quantize=True)
-    return folder
+    return write_release(tmp_path_factory.mktemp("tiny_sharded"), "tiny", seed=6)
 
 
 def test_loading_onto_the_mesh_places_each_shard_and_keeps_the_logits(tiny_dir):
