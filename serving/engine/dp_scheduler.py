@@ -47,8 +47,8 @@ class DataParallelScheduler:
     def schedule(self) -> list[Scheduled]:
         return [s for r in self.ranks for s in r.schedule()]
 
-    def postprocess(self, s: Scheduled, token: int | None) -> Finish | None:
-        return self.ranks[s.request.rank].postprocess(s, token)
+    def postprocess(self, s: Scheduled, tokens: int | list[int] | None) -> Finish | None:
+        return self.ranks[s.request.rank].postprocess(s, tokens)
 
     def block_table(self, req: Request) -> list[int]:
         return self.ranks[req.rank].blocks.block_table(req.request_id)

@@ -50,6 +50,9 @@ class Engine:
         self.runner = Runner(model, args.runtime, progress=progress, placement=placement,
                              expert_counts=args.eplb.enable_eplb)
         self.runner.precompile()
+        self.spec = self.runner.spec
+        if self.spec:
+            self.metrics.add_spec_decode(self.spec.num_speculative_tokens)
         layout = self.runner.layout
         self.scheduler = DataParallelScheduler(args.scheduler, args.runtime, model.config, num_blocks=layout.num_blocks,
                                                block_size=layout.block_size, ranks=self.runner.ranks)
@@ -83,6 +86,8 @@ class Engine:
             raise ValueError(f"this model's maximum context length is {limit} tokens; the request has "
                              f"{len(prompt)} prompt tokens and max_tokens {max_tokens} "
                              f"({len(prompt) + max_tokens} in all)")
+        if self.spec and params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs are not served with speculative decoding (--speculative-config)")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
         blocks = -(-(len(prompt) + max_tokens) // self.scheduler.block_size)
@@ -131,21 +136,43 @@ class Engine:
                 # host work interleaved with the text, not worth an annotation per request
                 with jax.profiler.TraceAnnotation("engine.detokenize"):
                     for i, s in enumerate(sched):
-                        token = int(out.tokens[i]) if s.sample else None
-                        finish = self.scheduler.postprocess(s, token)
+                        req = s.request
+                        emitted = self._emitted(s, out, i)
+                        before = req.num_tokens
+                        finish = self.scheduler.postprocess(s, emitted)
                         if i in out.prompt_logprobs:
                             self._collect_prompt_logprobs(s, out.prompt_logprobs[i])
                         if s.sample:
-                            outputs.append(self._sampled(s.request, token, finish, out, i, now))
+                            if self.spec:
+                                req.draft_ids = [int(t) for t in out.drafts[i][:self.spec.num_speculative_tokens]]
+                            outputs.append(self._sampled(req, req.token_ids[before:], finish, out, i, now))
             self._update_gauges()
             return outputs
+
+    def _emitted(self, s: Scheduled, out: StepOutput, i: int) -> list[int]:
+        """The chunk's new tokens (none unless it sampled); counts speculative acceptance."""
+        if not s.sample:
+            return []
+        if out.num_emitted is None:
+            return [int(out.tokens[i])]
+        n = int(out.num_emitted[i])
+        if s.num_draft:
+            m = self.metrics
+            m.spec_drafts.inc()
+            m.spec_draft_tokens.inc(s.num_draft)
+            m.spec_accepted.inc(n - 1)
+            for pos in range(n - 1):
+                m.spec_accepted_per_pos[pos].inc()
+        return [int(t) for t in out.tokens[i][:n]]
 
     def _chunk(self, s: Scheduled) -> SeqChunk:
         req = s.request
         return SeqChunk(slot=req.slot, block_table=self.scheduler.block_table(req), token_ids=req.token_ids,
+                        draft_ids=req.draft_ids[:s.num_draft],
                         rank=req.rank, start=s.start, end=s.end, kv_floor=req.plan.replay_start,
                         write_floor=req.plan.write_floor,
-                        trim=self.args.runtime.swa_bounded_replay and not req.keeps_all_rows, sample=s.sample,
+                        trim=self.args.runtime.swa_bounded_replay and not req.keeps_all_rows and not s.num_draft,
+                        sample=s.sample,
                         prompt_logprobs=req.keeps_all_rows and req.request_id in self._prompt_lp
                         and s.start < req.num_prompt - 1)
 
@@ -177,30 +204,41 @@ class Engine:
             tok = req.prompt_ids[p + 1]
             got[p + 1] = TokenLogprob(tok, float(rows.logprob[j]), _top(rows.top_ids[j], rows.top_logprobs[j], k))
 
-    def _sampled(self, req: Request, tok: int, finish: Finish | None, out: StepOutput, i: int, now: float
+    def _sampled(self, req: Request, toks: list[int], finish: Finish | None, out: StepOutput, i: int, now: float
                  ) -> RequestOutput:
-        """The scheduler appended `tok` (and decided `finish` from it): its text, logprobs and, with a stop string
-        in the text, the finish."""
+        """The scheduler appended `toks` (one, or with speculative decoding up to 1 + k, and decided `finish` from
+        the last): their text, logprobs and, with a stop string in the text, the finish (tokens after it dropped)."""
         if req.first_token_time is None:
             req.first_token_time = now
             self.metrics.ttft.observe(now - req.arrival)
         else:
             self.metrics.itl.observe(now - req.last_token_time)
         req.last_token_time = now
-        self.metrics.generation_tokens.inc()
-        text, stop_string = self._out[req.request_id].update(tok, finish)
-        if stop_string is not None:
-            finish = Finish("stop", stop_string)
+        texts = []
+        for j, tok in enumerate(toks):
+            text, stop_string = self._out[req.request_id].update(tok, finish if j == len(toks) - 1 else None)
+            texts.append(text)
+            if stop_string is not None:
+                if j + 1 < len(toks):  # the stop string ends before the step's last token: drop the rest
+                    del req.token_ids[j + 1 - len(toks):]
+                finish, toks = Finish("stop", stop_string), toks[:j + 1]
+                break
+        text = "".join(texts)
+        self.metrics.generation_tokens.inc(len(toks))
         lp = None
         if req.params.logprobs is not None:
-            lp = [TokenLogprob(tok, float(out.logprobs[i]), _top(out.top_ids[i], out.top_logprobs[i],
-                                                                 req.params.logprobs))]
+            k = req.params.logprobs
+            if out.num_emitted is None:
+                lp = [TokenLogprob(toks[0], float(out.logprobs[i]), _top(out.top_ids[i], out.top_logprobs[i], k))]
+            else:
+                lp = [TokenLogprob(t, float(out.logprobs[i][j]), _top(out.top_ids[i][j], out.top_logprobs[i][j], k))
+                      for j, t in enumerate(toks)]
         prompt_lp = self._prompt_lp.pop(req.request_id, None)
         if finish is not None:
-            o = self._finish(req, finish.reason, finish.stop_reason, text, [tok])
+            o = self._finish(req, finish.reason, finish.stop_reason, text, toks)
             o.new_logprobs, o.prompt_logprobs = lp, prompt_lp
             return o
-        return RequestOutput(req.request_id, [tok], text, False, new_logprobs=lp, prompt_logprobs=prompt_lp,
+        return RequestOutput(req.request_id, toks, text, False, new_logprobs=lp, prompt_logprobs=prompt_lp,
                              **self._counts(req))
 
     def _finish(self, req: Request, reason: str, stop_reason, text: str, new_ids: list[int] | None = None

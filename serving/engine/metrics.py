@@ -63,6 +63,15 @@ class EngineMetrics:
     def eplb_layer_balancedness(self, layer: int):
         return self._eplb_layer.labels(self._m, str(layer))
 
+    def add_spec_decode(self, k: int) -> None:
+        """Speculative decoding's metrics, vLLM's names (mean acceptance length = 1 + accepted / drafts)."""
+        self.spec_drafts = self._c("vllm:spec_decode_num_drafts", "Verification steps with at least one draft.")
+        self.spec_draft_tokens = self._c("vllm:spec_decode_num_draft_tokens", "Drafted tokens verified.")
+        self.spec_accepted = self._c("vllm:spec_decode_num_accepted_tokens", "Drafted tokens accepted.")
+        per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted drafts by position in the "
+                          "draft (0: the first).", labelnames=["model_name", "position"], registry=self.registry)
+        self.spec_accepted_per_pos = [per_pos.labels(self._m, str(i)) for i in range(k)]
+
     def finished(self, reason: str) -> None:
         self._success.labels(self._m, reason).inc()
 

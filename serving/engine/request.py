@@ -57,6 +57,7 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     admitted: bool = False
+    draft_ids: list[int] = field(default_factory=list)  # speculative decoding: the next step's drafts
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_ids)

@@ -65,15 +65,17 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class Scheduled:
     """One request's work in a step: positions [start, end); `sample` when end reaches its last token (fixed when
-    scheduled: `postprocess` appends the sampled token afterwards)."""
+    scheduled: `postprocess` appends the sampled token afterwards). Speculative decoding: the last `num_draft`
+    positions hold the request's drafts (`Request.draft_ids`), verified in this step."""
 
     request: Request
     start: int
     end: int
+    num_draft: int = 0
     sample: bool = field(init=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "sample", self.end == self.request.num_tokens)
+        object.__setattr__(self, "sample", self.end - self.num_draft == self.request.num_tokens)
 
 
 class QueueFull(RuntimeError):
@@ -148,6 +150,9 @@ class Scheduler:
             if req.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
             n = self._chunk(req, req.num_computed, budget)
+            k = self._drafts(req, budget - n) if req.num_computed + n == req.num_tokens else 0
+            if k and not self.blocks.allocate(req.request_id, req.num_computed + n + k):
+                k = 0  # short of blocks: verify nothing rather than preempt for drafts
             while not self.blocks.allocate(req.request_id, req.num_computed + n):
                 victim = self._victim(exclude=[s.request for s in out])
                 self._preempt(victim)
@@ -155,8 +160,8 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.append(Scheduled(req, req.num_computed, req.num_computed + n))
-                budget -= n
+                out.append(Scheduled(req, req.num_computed, req.num_computed + n + k, k))
+                budget -= n + k
         # vLLM admits nothing new in a step that had to preempt: the pool is known to be short.
         while not preempted and budget > 0 and self.free_slots and self.next_waiting is not None:
             req = self.next_waiting
@@ -175,6 +180,16 @@ class Scheduler:
         if cap and n > 1 and (len(self.running) > 1 or self.num_waiting):  # no cap for a lone request
             n = min(n, cap)
         return n
+
+    def _drafts(self, req: Request, room: int) -> int:
+        """Drafts a decoding request verifies: what it has, within the step's token budget, the tokens it may still
+        emit (a step emits up to one more than it verifies) and the model length. None while EOS / stop ids are
+        banned (min_tokens), which would change the verified rows' distributions."""
+        p = req.params
+        if not req.draft_ids or req.num_output < p.min_tokens:
+            return 0
+        left = (p.max_tokens - req.num_output) if p.max_tokens is not None else self.rc.max_model_len
+        return max(0, min(len(req.draft_ids), room, left - 1, self.rc.max_model_len - req.num_tokens))
 
     def _admit(self, req: Request) -> int | None:
         """Prefix lookup + replay rewind + block reservation for the whole sequence; the first position to
@@ -207,29 +222,35 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self._release(req)
-        req.num_computed, req.plan = 0, None
+        req.num_computed, req.plan, req.draft_ids = 0, None, []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.add(req, front=True)
 
     # ----------------------------------------------------------------- update
-    def postprocess(self, s: Scheduled, token: int | None) -> Finish | None:
-        """The step ran `s`: positions [start, end) are written (their full blocks are registered in the prefix
-        cache) and, when the chunk sampled, `token` is appended. Returns the finish the token decides, if any:
-        EOS (unless ignore_eos) or a stop token id once more than `min_tokens` are out, else the length limits
-        (`max_tokens`, `max_model_len`). Stop strings are text: the engine's output handling finds those."""
+    def postprocess(self, s: Scheduled, tokens: int | list[int] | None) -> Finish | None:
+        """The step ran `s`: positions [start, end) are written - with drafts, only up to the last accepted one
+        stays (the rest was rolled back) - and their full blocks are registered in the prefix cache; when the
+        chunk sampled, its emitted tokens (one, or the accepted drafts and the bonus token) are appended, up to
+        the first that finishes the request. Returns that finish, if any: EOS (unless ignore_eos) or a stop token
+        id once more than `min_tokens` are out, else the length limits (`max_tokens`, `max_model_len`). Stop
+        strings are text: the engine's output handling finds those."""
         req = s.request
-        req.num_computed = s.end
-        self.blocks.commit(req.request_id, req.token_ids, s.end)
-        if not s.sample:
-            return None
-        req.token_ids.append(token)
+        toks = [] if tokens is None else [tokens] if isinstance(tokens, int) else list(tokens)
+        req.num_computed = s.end - s.num_draft + max(len(toks) - 1, 0)  # the rows of accepted tokens
+        finish = self._append(req, toks) if s.sample else None
+        self.blocks.commit(req.request_id, req.token_ids, min(req.num_computed, req.num_tokens))
+        return finish
+
+    def _append(self, req: Request, toks: list[int]) -> Finish | None:
         p = req.params
-        if req.num_output > p.min_tokens:
-            if token in p.stop_token_ids:
-                return Finish("stop", token)
-            if token == req.eos_id and not p.ignore_eos:
-                return Finish("stop", None)
-        if (p.max_tokens is not None and req.num_output >= p.max_tokens) or req.num_tokens >= self.rc.max_model_len:
-            return Finish("length", None)
+        for token in toks:
+            req.token_ids.append(token)
+            if req.num_output > p.min_tokens:
+                if token in p.stop_token_ids:
+                    return Finish("stop", token)
+                if token == req.eos_id and not p.ignore_eos:
+                    return Finish("stop", None)
+            if (p.max_tokens is not None and req.num_output >= p.max_tokens) or req.num_tokens >= self.rc.max_model_len:
+                return Finish("length", None)
         return None

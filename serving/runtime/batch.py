@@ -34,10 +34,21 @@ class SeqChunk:
     sample: bool = True  # produce logits for position end - 1
     prompt_logprobs: bool = False  # log-probabilities of every row's next token (needs trim off)
     rank: int = 0  # the data-parallel rank holding the request's KV (slot and blocks are that rank's)
+    draft_ids: Sequence[int] = ()  # speculative decoding: drafted tokens after token_ids that this chunk verifies
 
     @property
     def num_tokens(self) -> int:
         return self.end - self.start
+
+    @property
+    def num_draft(self) -> int:
+        """Drafts this chunk verifies: its rows past the request's tokens."""
+        return max(0, self.end - len(self.token_ids))
+
+    def tokens(self, lo: int, hi: int) -> list[int]:
+        """Token ids of positions [lo, hi), the drafts included."""
+        n = len(self.token_ids)
+        return list(self.token_ids[lo:min(hi, n)]) + list(self.draft_ids[max(lo - n, 0):max(hi - n, 0)])
 
 
 @dataclass(frozen=True)
@@ -77,16 +88,18 @@ def token_ladder(max_tokens: int, window: int, smallest: int = 1) -> tuple[int, 
 
 def build_step(chunks: Sequence[SeqChunk], buckets: Buckets, *, max_blocks: int, window: int, block_size: int,
                engram_hashes: Callable[[SeqChunk], np.ndarray] | None = None, engram_row_shape: tuple[int, ...] = (),
-               token_bucket: int | None = None, kept_bucket: int | None = None) -> StepBatch:
+               token_bucket: int | None = None, kept_bucket: int | None = None, verify_rows: int = 1) -> StepBatch:
     """One rank's step as NumPy arrays; buckets may be forced (ahead-of-time compilation builds example
-    batches of each shape). `engram_hashes(chunk)`: the chunk's Engram hash ids [q, *engram_row_shape]."""
+    batches of each shape). `engram_hashes(chunk)`: the chunk's Engram hash ids [q, *engram_row_shape].
+    `verify_rows` J > 1 (speculative decoding): logits rows [R, J], a chunk's last 1 + num_draft kept rows."""
     R = buckets.max_num_seqs
     if len(chunks) > R:
         raise ValueError(f"{len(chunks)} requests exceed max_num_seqs {R}")
     T = token_bucket or buckets.token_bucket(sum(ch.num_tokens for ch in chunks))
     i32 = lambda n: np.zeros(n, np.int32)  # noqa: E731
     slot, start, end, kv_floor, write_floor, dec_floor = (i32(R) for _ in range(6))
-    first, qlen, kept_first, kept_qlen, logit_row = (i32(R) for _ in range(5))
+    first, qlen, kept_first, kept_qlen = (i32(R) for _ in range(4))
+    logit_row = np.zeros((R, verify_rows) if verify_rows > 1 else R, np.int32)
     block_table = np.zeros((R, max_blocks), np.int32)
     ids, pos, req, valid = i32(T), i32(T), i32(T), np.zeros(T, bool)
     kept_idx: list[int] = []
@@ -94,22 +107,28 @@ def build_step(chunks: Sequence[SeqChunk], buckets: Buckets, *, max_blocks: int,
     hashes = []
     f = 0
     for r, ch in enumerate(chunks):
-        if not 0 <= ch.start < ch.end <= len(ch.token_ids):
+        if not 0 <= ch.start < ch.end <= len(ch.token_ids) + len(ch.draft_ids):
             raise ValueError(f"request in slot {ch.slot}: chunk [{ch.start}, {ch.end}) outside its "
-                             f"{len(ch.token_ids)} tokens")
+                             f"{len(ch.token_ids)} tokens and {len(ch.draft_ids)} drafts")
+        if ch.num_draft and (ch.num_draft >= verify_rows or ch.num_draft >= ch.num_tokens):
+            raise ValueError(f"request in slot {ch.slot}: {ch.num_draft} drafts to verify; this step verifies at most "
+                             f"{verify_rows - 1}, after the request's last token")
         if ch.prompt_logprobs and ch.trim:
             raise ValueError(f"request in slot {ch.slot}: prompt logprobs need every row kept (trim=False)")
         if len(ch.block_table) * block_size < ch.end:
             raise ValueError(f"request in slot {ch.slot}: {len(ch.block_table)} blocks do not cover {ch.end} positions")
         q = ch.num_tokens
         sl = slice(f, f + q)
-        ids[sl] = ch.token_ids[ch.start:ch.end]
+        ids[sl] = ch.tokens(ch.start, ch.end)
         pos[sl] = np.arange(ch.start, ch.end)
         req[sl], valid[sl] = r, True
         keep, dec_floor[r] = kept_rows(q, ch.end, ch.kv_floor, window, ch.trim)
         kept_first[r], kept_qlen[r] = len(kept_idx), keep
         kept_idx.extend(range(f + q - keep, f + q))
-        logit_row[r] = len(kept_idx) - 1
+        if verify_rows > 1:
+            logit_row[r] = len(kept_idx) - 1 - ch.num_draft + np.minimum(np.arange(verify_rows), ch.num_draft)
+        else:
+            logit_row[r] = len(kept_idx) - 1
         # prompt logprobs: the known token after each row (-1 past the known ones and for chunks not asking)
         nxt = ch.token_ids[ch.end - keep + 1:ch.end + 1] if ch.prompt_logprobs else []
         next_ids.extend(list(nxt) + [-1] * (keep - len(nxt)))

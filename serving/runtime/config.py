@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from pallas_kernels import IMPLS
 from serving.runtime.kv_cache import FORMATS
+from serving.runtime.speculative import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -38,11 +39,18 @@ class RuntimeConfig:
     token_buckets: tuple[int, ...] | None = field(default=None, metadata={
         "help": "step sizes to compile, comma-separated (default: powers of two, then window multiples "
                 "1-2-3-4-6-8... up to max-num-batched-tokens)"})
+    speculative_config: str | None = field(default=None, metadata={
+        "help": "speculative decoding, vLLM's JSON: '{\"method\": \"dspark\", \"num_speculative_tokens\": 5, "
+                "\"rejection_sample_method\": \"standard\"}' (or synthetic with synthetic_acceptance_length); "
+                "num_speculative_tokens defaults to the checkpoint's DSpark block"})
     kernel_impl: str = field(default="auto", metadata={
         "choices": IMPLS, "help": "fused-op implementation (pallas_kernels): auto = pallas on a GPU, xla "
                                   "elsewhere; xla or reference is the fallback if a Pallas kernel misbehaves"})
 
     def __post_init__(self):
+        if isinstance(self.speculative_config, (dict, SpeculativeConfig)):  # LLM(speculative_config={...})
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config).to_json())
+        SpeculativeConfig.parse(self.speculative_config)  # a bad one is refused here, naming the field
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "tile", "max_top_k"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

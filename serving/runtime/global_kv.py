@@ -27,8 +27,11 @@ from serving.runtime.step import Requests
 
 
 def publish_source(layout: CacheLayout, block, x_TD: jax.Array, pos_T: jax.Array, req_T: jax.Array,
-                   valid_T: jax.Array, requests: Requests, cache: dict, fake_quant: bool) -> dict:
-    """KV source `block`: write the rows closing in this step (+ index keys) and the open-group tail."""
+                   valid_T: jax.Array, requests: Requests, cache: dict, fake_quant: bool
+                   ) -> tuple[dict, jax.Array | None]:
+    """KV source `block`: write the rows closing in this step (+ index keys) and the open-group tail; returns the
+    cache and, for a ratio-2 source, every row's raw [kv, gate] [T, 2, d] float32 (speculative rollback restores
+    a tail from it), else None."""
     c, s = layout.config, block.role.layer_id
     comp, r = block.attn.compressor, block.role.compress_ratio
     rpb = layout.rows_per_block(s)
@@ -63,7 +66,8 @@ def publish_source(layout: CacheLayout, block, x_TD: jax.Array, pos_T: jax.Array
         opens = valid_T & (pos_T == requests.end_R[req_T] - 1) & (pos_T % 2 == 0)
         cache["tail"] = {**cache["tail"], s: cache["tail"][s].at[jnp.where(opens, slot, layout.num_slots)].set(
             jnp.stack([kv, gate], axis=1), mode="drop")}
-    return cache
+        return cache, jnp.stack([kv, gate], axis=1).astype(jnp.float32)
+    return cache, None
 
 
 def select_rows(layout: CacheLayout, block, q_Thc: jax.Array, w_Th: jax.Array, pos_T: jax.Array,

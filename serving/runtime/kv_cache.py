@@ -5,6 +5,7 @@ Groups:
   keys[s]  its index keys, paged with the same block ids:  [num_blocks, block_size / ratio, ihd]
   swa[l]   every layer's sliding window, request-private ring (position p at p % W): [num_slots, W, d]
   tail[s]  ratio-2 sources: the open group's raw fp32 [kv, gate] rows, per slot: [num_slots, 2, d]
+  draft[k] speculative decoding: DSpark stage k's context ring, like swa: [num_slots, W, d]
 Only `rows` and `keys` are prefix-cacheable (one block id covers block_size positions of every source).
 Engram look-back ids are host data (the scheduler holds every request's tokens).
 
@@ -37,6 +38,7 @@ class CacheLayout:
     num_slots: int
     fmt: str = "auto"
     dtype: str = "float32"  # compute dtype of the rows when fmt == "auto"
+    draft_stages: int = 0  # speculative decoding: the DSpark stages' context rings
 
     def __post_init__(self):
         c = self.config
@@ -81,12 +83,15 @@ class CacheLayout:
         rw, rdt = self._width("rows")
         kw, kdt = self._width("keys")
         S = jax.ShapeDtypeStruct
+        draft = {"draft": {k: S((self.num_slots, W, sw), sdt) for k in range(self.draft_stages)}
+                 } if self.draft_stages else {}
         return {
             "swa": {layer: S((self.num_slots, W, sw), sdt) for layer in range(c.num_hidden_layers)},
             "rows": {s: S((self.num_blocks, self.rows_per_block(s), rw), rdt) for s in self.sources},
             "keys": {s: S((self.num_blocks, self.rows_per_block(s), kw), kdt) for s in self.index_sources},
             "tail": {s: S((self.num_slots, 2, c.head_dim), jnp.float32) for s in self.sources
                      if c.compress_ratios[s] == 2},
+            **draft,
         }
 
     # ------------------------------------------------------------------ bytes
@@ -96,7 +101,7 @@ class CacheLayout:
 
     def bytes_per_slot(self) -> int:
         sh = self.shapes()
-        return sum(_nbytes(a) // self.num_slots for g in ("swa", "tail") for a in sh[g].values())
+        return sum(_nbytes(a) // self.num_slots for g in ("swa", "tail", "draft") for a in sh.get(g, {}).values())
 
     def report(self) -> dict:
         """Bytes per token of the prefix-cacheable (global) groups and per request of the private ones."""
@@ -120,10 +125,10 @@ def smallest_block_size(config: ModelConfig, at_least: int = 8) -> int:
 
 
 def plan_layout(config: ModelConfig, *, memory_bytes: int, block_size: int, num_slots: int, max_model_len: int,
-                fmt: str = "auto", dtype: str = "float32") -> CacheLayout:
+                fmt: str = "auto", dtype: str = "float32", draft_stages: int = 0) -> CacheLayout:
     """The largest cache fitting `memory_bytes`: the per-slot state of `num_slots` requests first, then
     as many blocks as fit (at least enough for one request of max_model_len)."""
-    probe = CacheLayout(config, 1, block_size, num_slots, fmt, dtype)
+    probe = CacheLayout(config, 1, block_size, num_slots, fmt, dtype, draft_stages)
     free = memory_bytes - probe.bytes_per_slot() * num_slots
     per_block = probe.bytes_per_block()
     need = -(-max_model_len // block_size)
@@ -131,7 +136,7 @@ def plan_layout(config: ModelConfig, *, memory_bytes: int, block_size: int, num_
     if num_blocks < need:
         raise ValueError(f"KV memory budget {memory_bytes} B holds {max(num_blocks, 0)} blocks of {block_size} tokens "
                          f"after {num_slots} request slots; one request of max_model_len {max_model_len} needs {need}")
-    return CacheLayout(config, int(num_blocks), block_size, num_slots, fmt, dtype)
+    return CacheLayout(config, int(num_blocks), block_size, num_slots, fmt, dtype, draft_stages)
 
 
 def allocate(layout: CacheLayout) -> dict:

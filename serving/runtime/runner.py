@@ -28,7 +28,7 @@ from flax import nnx
 
 import dsv41
 from dsv41.layers.moe import set_kernel_impl
-from serving.runtime import kv_cache, segments
+from serving.runtime import kv_cache, segments, spec_step
 from serving.runtime.config import RuntimeConfig
 from serving.runtime.batch import Buckets, SeqChunk, build_step, token_ladder
 from serving.runtime.step import KeptRows, StepBatch
@@ -36,6 +36,7 @@ from serving.runtime.decoder_replay import kept_rows
 from serving.runtime.kv_cache import CacheLayout
 from serving.runtime.sampler import sample, sampling_arrays
 from serving.runtime.sampling_params import SamplingParams
+from serving.runtime.speculative import SpeculativeConfig
 
 
 class CompileInServingLoop(RuntimeError):
@@ -59,6 +60,12 @@ class StepOutput(NamedTuple):
     top_logprobs: np.ndarray  # [n, MAX_LOGPROBS]
     prompt_logprobs: dict[int, PromptLogprobs]  # chunk index -> its rows' logprobs, for chunks that ask
     expert_counts: np.ndarray | None = None  # [L, E] int32 routed choices of the step's valid rows per MoE layer
+    # speculative decoding: tokens / logprobs are [n, J] (top ones [n, J, MAX_LOGPROBS]), of which each request
+    # emitted its first num_emitted (accepted drafts, then the bonus token); its next drafts [n, B] and the
+    # drafter's confidence in each [n, B]
+    num_emitted: np.ndarray | None = None
+    drafts: np.ndarray | None = None
+    draft_confidence: np.ndarray | None = None
 
 
 class _Segments(NamedTuple):
@@ -94,15 +101,25 @@ class Runner:
         c = model.config
         check_supported(c)
         self.model, self.rc, self.config = model, rc, c
+        self.spec = SpeculativeConfig.parse(rc.speculative_config)
+        if self.spec is not None:
+            self.spec = self.spec.resolve(c)
+            if placement is not None:
+                raise ValueError("speculative decoding runs on one device for now, not on a mesh (tensor or data "
+                                 "parallel)")
+        # rows verified per request: the drafter's whole block, so any num_speculative_tokens <= block (the drafts the
+        # scheduler gives a chunk) runs the same compiled programs
+        self.verify_rows = 1 + c.dspark_block_size if self.spec else 1
+        draft_stages = c.num_nextn_predict_layers if self.spec else 0
         memory = rc.kv_cache_memory
-        probe = CacheLayout(c, 1, rc.block_size, rc.max_num_seqs, rc.kv_cache_dtype, model.dtype.name)
+        probe = CacheLayout(c, 1, rc.block_size, rc.max_num_seqs, rc.kv_cache_dtype, model.dtype.name, draft_stages)
         if memory is None:
             blocks = rc.max_num_seqs * -(-rc.max_model_len // rc.block_size)
             memory = probe.bytes_per_slot() * rc.max_num_seqs + probe.bytes_per_block() * blocks
         # One rank's cache; with R ranks the device arrays hold R of these one after another.
         self.layout = kv_cache.plan_layout(c, memory_bytes=memory, block_size=rc.block_size,
                                            num_slots=rc.max_num_seqs, max_model_len=rc.max_model_len,
-                                           fmt=rc.kv_cache_dtype, dtype=model.dtype.name)
+                                           fmt=rc.kv_cache_dtype, dtype=model.dtype.name, draft_stages=draft_stages)
         self.placement = placement
         self.ranks = placement.ranks if placement else 1
         self.cache = placement.zeros(self.layout.shapes(), cache=True) if placement else kv_cache.allocate(self.layout)
@@ -150,6 +167,24 @@ class Runner:
             self._fns = {"seg1": jax.jit(_named(_one_rank(seg1), "segment1"), donate_argnums=(1, 2)),
                          "seg2": jax.jit(_named(_one_rank(seg2), "segment2"), donate_argnums=1),
                          "sample": jax.jit(sample_fn)}
+        if self.spec:
+            J, spec = self.verify_rows, self.spec
+
+            def snapshot(cache, s):
+                return spec_step.snapshot(self.layout, J, cache, s)
+
+            def speculative(leaves, cache, carry_buf, snap, q_buf, logits, s, p):
+                return spec_step.finish(merge(leaves), self.layout, spec, cache, carry_buf.tails, snap, q_buf, logits,
+                                        s, p, max_top_k=rc.max_top_k, fake_quant=rc.fake_quant)
+
+            # verification and drafting run on the step's requests only, padded to a power of two (a draft pass costs
+            # block-size rows per request: padding it to max_num_seqs made a c=1 step 2x a plain one)
+            self.spec_rows = tuple(sorted({min(2 ** i, rc.max_num_seqs)
+                                           for i in range(rc.max_num_seqs.bit_length() + 1)}))
+            self._fns["snapshot"] = jax.jit(_named(snapshot, "spec_snapshot"))
+            self._fns["spec"] = jax.jit(_named(speculative, "speculative"), donate_argnums=(1, 4))
+            # the draft distributions each slot's drafts were drawn from (rejection sampling reads them)
+            self.q_buf = jnp.zeros((rc.max_num_seqs, c.dspark_block_size, c.vocab_size), jnp.float32)
         self._exe: dict[tuple, object] = {}
         self.progress = progress
         self.compile_seconds = 0.0
@@ -164,7 +199,7 @@ class Runner:
         engram = {} if eg is None else {"engram_hashes": self._engram_hashes,
                                         "engram_row_shape": (len(eg.layer_ids), (eg.max_ngram - 1) * eg.n_heads)}
         batch = build_step(chunks, self.buckets, max_blocks=self.max_blocks, window=self.config.sliding_window,
-                           block_size=self.layout.block_size, **engram, **forced)
+                           block_size=self.layout.block_size, verify_rows=self.verify_rows, **engram, **forced)
         if self.model.engram_tables is not None:  # host tables: the step carries its rows, not their ids
             rows = self.model.engram_tables.gather(batch.rows.engram_TEc, valid=batch.rows.valid_T)  # no padding
             batch = dataclasses.replace(batch, rows=dataclasses.replace(batch.rows, engram_TEc=rows))
@@ -195,7 +230,7 @@ class Runner:
         """Hash ids of the chunk's rows; the look-back reaches (max_ngram - 1) tokens before the chunk, so
         only those and the chunk are hashed (a decode step costs O(1), not O(context))."""
         lo = max(0, ch.start - (self.model.engram.max_ngram - 1))
-        return self.model.engram.hash_ids(np.asarray(ch.token_ids[lo:ch.end]), self.model.token_map, ch.start - lo)
+        return self.model.engram.hash_ids(np.asarray(ch.tokens(lo, ch.end)), self.model.token_map, ch.start - lo)
 
     def _compile(self, key: tuple, fn: str, *args) -> None:
         t = time.perf_counter()
@@ -205,7 +240,8 @@ class Runner:
 
     def bucket_keys(self) -> list[tuple]:
         T = self.buckets.tokens
-        return [("seg1", t) for t in T] + [("seg2", t) for t in T] + [("sample",)]
+        last = [(f, r) for r in self.spec_rows for f in ("snapshot", "spec")] if self.spec else [("sample",)]
+        return [("seg1", t) for t in T] + [("seg2", t) for t in T] + last
 
     def precompile(self, keys: Sequence[tuple] | None = None) -> float:
         """Compile every bucket (or `keys`); returns the seconds spent."""
@@ -230,8 +266,18 @@ class Runner:
             R, V = self.ranks * self.rc.max_num_seqs, self.config.vocab_size
             p = sampling_arrays([], [], R, 0)
             self._compile(key, "sample", jax.ShapeDtypeStruct((R, V), jnp.float32), p)
+        elif name == "snapshot" and self.spec:
+            self._compile(key, "snapshot", self.cache, self._spec_inputs([], self._example(1, 1), key[1]))
+        elif name == "spec" and self.spec:
+            R, V = self.rc.max_num_seqs, self.config.vocab_size
+            s = self._spec_inputs([], self._example(1, 1), key[1])
+            snap = jax.eval_shape(self._fns["snapshot"], self.cache, s)
+            logits = jax.ShapeDtypeStruct((R, self.verify_rows, V), jnp.float32)
+            self._compile(key, "spec", self._leaves, self.cache, self.carry_buf, snap, self.q_buf, logits, s,
+                          sampling_arrays([], [], key[1], 0))
         else:
-            raise ValueError(f"unknown bucket key {key}; keys are ('seg1', T), ('seg2', T), ('sample',)")
+            raise ValueError(f"unknown bucket key {key}; keys are ('seg1', T), ('seg2', T) and ('sample',), or with "
+                             "speculative decoding ('snapshot', requests) and ('spec', requests)")
 
     def _exe_for(self, key: tuple):
         exe = self._exe.get(key)
@@ -268,7 +314,7 @@ class Runner:
         of the private ones (SWA rings, tails); `total_bytes` over every data-parallel rank."""
         L, n = self.layout, self.ranks
         paged = sum(a.nbytes for g in ("rows", "keys") for a in self.cache[g].values())
-        private = sum(a.nbytes for g in ("swa", "tail") for a in self.cache[g].values())
+        private = sum(a.nbytes for g in ("swa", "tail", "draft") for a in self.cache.get(g, {}).values())
         return {**L.report(), "data_parallel_ranks": n,
                 "global_bytes_per_token": paged / (n * L.num_blocks * L.block_size),
                 "swa_and_tail_bytes_per_request": private / (n * L.num_slots), "total_bytes": paged + private}
@@ -298,9 +344,9 @@ class Runner:
         seg = self._segments(chunks)
         return seg.logits[jnp.asarray(seg.rows)]
 
-    def _segments(self, chunks: Sequence[SeqChunk]) -> _Segments:
+    def _segments(self, chunks: Sequence[SeqChunk], built=None) -> _Segments:
         with jax.profiler.TraceAnnotation("runner.build"):
-            batch, rows, where = self._build(chunks)
+            batch, rows, where = built or self._build(chunks)
         T, K = batch.rows.ids_T.shape[1], batch.kept.row_K.shape[1]
         with jax.profiler.TraceAnnotation("runner.segment1"):
             self.cache, self.carry_buf, counts1 = self._exe_for(("seg1", T))(self._leaves, self.cache,
@@ -312,7 +358,10 @@ class Runner:
 
     def step(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams | None],
              banned: Sequence[Sequence[int]] | None = None) -> StepOutput:
-        """Run one step and sample each request's next token; row logprobs for chunks that ask for them."""
+        """Run one step and sample each request's next token; row logprobs for chunks that ask for them. With
+        speculative decoding each request verifies its drafts (`SeqChunk.draft_ids`) and emits 1 .. 1 + k tokens."""
+        if self.spec:
+            return self._step_speculative(chunks, params, banned)
         kept, logits, prompt_lp, counts, rows, where = self._segments(chunks)
         n_rows = self.ranks * self.rc.max_num_seqs  # chunk i samples from logits row rows[i]
         row_params, row_pos, row_banned = [None] * n_rows, [0] * n_rows, [[] for _ in range(n_rows)]
@@ -338,6 +387,44 @@ class Runner:
                     sl = slice(first, first + kept.qlen_R[r, j])
                     out[i] = PromptLogprobs(lp[sl], ids[sl], tlp[sl])
         return StepOutput(tok, logprob, top_ids, top_lp, out, expert_counts)
+
+    def _spec_inputs(self, chunks: Sequence[SeqChunk], batch: StepBatch, R: int) -> spec_step.SpecInputs:
+        K = self.verify_rows - 1
+        i32 = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+        slot, row0, n_draft, first, floor, drafts, active = i32(R), i32(R), i32(R), i32(R), i32(R), i32(R, K), i32(R)
+        for j, ch in enumerate(chunks):  # one rank: the chunk's index is its row
+            nd = ch.num_draft
+            slot[j], row0[j], n_draft[j], floor[j], active[j] = ch.slot, ch.end - 1 - nd, nd, ch.kv_floor, ch.sample
+            first[j] = batch.rows.first_R[0, j] + ch.num_tokens - 1 - nd
+            drafts[j, :nd] = ch.draft_ids[:nd]
+        return spec_step.SpecInputs(slot, row0, n_draft, drafts, first, floor, active.astype(bool),
+                                    batch.requests.block_table_RM[0][:R])
+
+    def _step_speculative(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams | None],
+                          banned: Sequence[Sequence[int]] | None) -> StepOutput:
+        if any(ch.prompt_logprobs for ch in chunks):
+            raise ValueError("prompt logprobs are not served with speculative decoding")
+        R = next(r for r in self.spec_rows if r >= len(chunks))  # the requests' rows bucket
+        with jax.profiler.TraceAnnotation("runner.build"):
+            built = self._build(chunks)
+            s = self._spec_inputs(chunks, built[0], R)
+        with jax.profiler.TraceAnnotation("runner.snapshot"):
+            snap = self._exe_for(("snapshot", R))(self.cache, s)
+        _, logits, _, _, rows, _ = self._segments(chunks, built)
+        row_params, row_pos, row_banned = [None] * R, [0] * R, [[] for _ in range(R)]
+        for i, ch in enumerate(chunks):
+            row_params[i], row_pos[i] = params[i], ch.end
+            if banned is not None:
+                row_banned[i] = list(banned[i])
+        p = sampling_arrays(row_params, row_pos, R, self.rc.seed, banned=row_banned)
+        with jax.profiler.TraceAnnotation("runner.speculative"):
+            self.cache, self.q_buf, out = self._exe_for(("spec", R))(self._leaves, self.cache, self.carry_buf, snap,
+                                                                  self.q_buf, logits, s, p)
+        with jax.profiler.TraceAnnotation("runner.readback"):
+            out = jax.device_get(out)
+        n = len(chunks)
+        return StepOutput(out.emitted_RJ[:n], out.logprob_RJ[:n], out.top_ids_RJL[:n], out.top_logprobs_RJL[:n], {},
+                          None, out.n_accepted_R[:n] + 1, out.drafts_RB[:n], out.confidence_RB[:n])
 
     def _put_replicated(self, tree):
         return self.placement.put_replicated(tree) if self.placement else tree

@@ -77,3 +77,33 @@ def sample(logits_RV: jax.Array, p: dict, *, max_top_k: int
     logprob = jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
     top_lp, top_ids = jax.lax.top_k(logp, min(MAX_LOGPROBS, V))
     return tok.astype(jnp.int32), logprob, top_ids.astype(jnp.int32), top_lp
+
+
+def target_logprobs(logits_NV: jax.Array, p: dict, *, max_top_k: int) -> tuple[jax.Array, jax.Array]:
+    """The distribution `sample` draws each row from, as log-probabilities [N, V] (-inf where it never samples:
+    banned ids, and outside top-k / top-p / min-p), and which rows are greedy [N] (their argmax is the draw).
+    Speculative verification reads it (serving.runtime.speculative)."""
+    raw = logits_NV.astype(jnp.float32)
+    N, V = raw.shape
+    ban = p["banned"]
+    hits = jnp.zeros((N, V), jnp.int32).at[jnp.arange(N)[:, None], jnp.maximum(ban, 0)].add(
+        (ban >= 0).astype(jnp.int32))
+    logits = jnp.where(hits > 0, -jnp.inf, raw)
+    greedy = p["temperature"] <= 0
+    temp = jnp.where(greedy, 1.0, p["temperature"])[:, None]
+    filtered = ((p["top_k"] > 0) | (p["top_p"] < 1) | (p["min_p"] > 0)) & ~greedy
+
+    def with_filters():
+        K = min(max_top_k, V)
+        cand_vals, cand_ids = jax.lax.top_k(logits, K)
+        probs = jax.nn.softmax(cand_vals / temp, axis=-1)
+        rank = jnp.arange(K)[None]
+        keep = jnp.where(p["top_k"][:, None] > 0, rank < p["top_k"][:, None], True)
+        keep &= jnp.cumsum(probs, axis=-1) - probs < p["top_p"][:, None]
+        keep &= probs >= p["min_p"][:, None] * probs[:, :1]
+        kept_V = jnp.zeros((N, V), jnp.bool_).at[jnp.arange(N)[:, None], cand_ids].set(keep)
+        return jnp.where(filtered[:, None] & ~kept_V, -jnp.inf, logits / temp)
+
+    # the candidate top-k only when a row filters (a greedy batch needs the argmax alone)
+    scaled = jax.lax.cond(jnp.any(filtered), with_filters, lambda: logits / temp)
+    return jax.nn.log_softmax(scaled, axis=-1), greedy

@@ -9,6 +9,10 @@ segment 2  the kept rows (all of them with replay off; each prefill's last `wind
            shapes are its own row buckets, so trimming costs no recompilation.
 Decode steps run through the same two functions with every row kept.
 
+With speculative decoding (a layout with draft stages) segment 2 also writes each DSpark stage's context rows of
+its kept rows (serving.runtime.draft) and returns the logits of each request's last J rows - a verification
+chunk's 1 + k - and segment 1 leaves the ratio-2 sources' raw rows in the carry for the rollback.
+
 With `expert_counts` each segment also returns the per-expert token counts of the MoE layers it ran
 ([cut, E] and [L - cut, E] int32, valid rows only: segment 2's are the kept rows, the rows those layers
 compute), for the expert load balancer; otherwise None.
@@ -21,13 +25,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dsv41.block import Streams, attention_input, ffn_and_output, final_streams
+from dsv41.block import Streams, attention_input, ffn_and_output, final_streams, mean_stream
 from dsv41.layers import expert_load
 from dsv41.layers.mhc import hc_collapse
 from dsv41.layers.rope import inv_freq, rope_angles
 from pallas_kernels.sparse_attention import AttnMeta
 from pallas_kernels.tiles import QueryTiles
-from serving.runtime import global_kv
+from serving.runtime import draft, global_kv
 from serving.runtime.attention import sparse_attention, write_ring
 from serving.runtime.decoder_replay import gather_kept
 from serving.runtime.kv_cache import CacheLayout
@@ -63,6 +67,7 @@ class _Layers:
         self.index_blocks_2 = batch.index_blocks_2
         self.topk: dict[int, jax.Array] = dict(topk or {})
         self.candidates: jax.Array | None = None
+        self.raw_tails: dict[int, jax.Array] = {}  # speculative decoding: ratio-2 sources' raw rows
 
     def attend(self, block, x_TD: jax.Array, at: _RowView, cache: dict, cut_kv: _CutKV | None = None
                ) -> tuple[jax.Array, dict]:
@@ -73,8 +78,10 @@ class _Layers:
             kv = attn.project_kv(x_TD, cos, sin, self.fake_quant)
             kv_all, kv_row = kv, None
             if role.is_kv_source:
-                cache = global_kv.publish_source(layout, block, x_TD, at.pos_T, at.req_T, at.valid_T, req, cache,
-                                                 self.fake_quant)
+                cache, raw = global_kv.publish_source(layout, block, x_TD, at.pos_T, at.req_T, at.valid_T, req,
+                                                      cache, self.fake_quant)
+                if raw is not None and layout.draft_stages:
+                    self.raw_tails[role.layer_id] = raw
         else:
             kv, kv_all, kv_row = cut_kv
         rows_cache = topk = None
@@ -127,9 +134,9 @@ def segment1(module, layout: CacheLayout, cache: dict, carry_buf: SegmentCarry |
         cos, sin = rope_angles(rows.pos_T, inv_freq(c, block.role.rope))
         kv = block.attn.project_kv(x, cos, sin, fake_quant)
         if block.role.is_kv_source:
-            cache = global_kv.publish_source(layout, block, x, rows.pos_T, rows.req_T, rows.valid_T, req, cache,
-                                             fake_quant)
-    carry = SegmentCarry(R, x, mix, kv, rows.ids_T, rows.pos_T, rows.req_T, layers.topk)
+            cache, _ = global_kv.publish_source(layout, block, x, rows.pos_T, rows.req_T, rows.valid_T, req, cache,
+                                                fake_quant)  # the cut source has ratio 1: no tail
+    carry = SegmentCarry(R, x, mix, kv, rows.ids_T, rows.pos_T, rows.req_T, layers.topk, layers.raw_tails)
     counts = _counts(expert_counts, choices, rows.valid_T, module)
     if carry_buf is None:  # shape probe: the carry of this bucket
         return cache, carry, counts
@@ -140,9 +147,10 @@ def segment1(module, layout: CacheLayout, cache: dict, carry_buf: SegmentCarry |
 
 def segment2(module, layout: CacheLayout, cache: dict, carry_buf: SegmentCarry, batch: StepBatch, *,
              fake_quant: bool, expert_counts: bool = False) -> tuple[dict, jax.Array, tuple, jax.Array | None]:
-    """(cache, logits of each request's last row [max_num_seqs, V], prompt logprobs of every kept row: next-token
-    logprob [K] and top ids / logprobs [K, MAX_LOGPROBS] - zeros unless a chunk asked for them - and the
-    expert counts of layers cut .. L-1 over the kept rows [L - cut, E] or None)."""
+    """(cache, logits of each request's last row [max_num_seqs, V] (speculative decoding: of its last J rows
+    [max_num_seqs, J, V]; and each draft stage's context rows are written), prompt logprobs of every kept row:
+    next-token logprob [K] and top ids / logprobs [K, MAX_LOGPROBS] - zeros unless a chunk asked for them - and
+    the expert counts of layers cut .. L-1 over the kept rows [L - cut, E] or None)."""
     c, cut = layout.config, layout.config.cut_layer
     kept, req = batch.kept, batch.requests
     carry = gather_kept(carry_buf, kept)
@@ -155,17 +163,27 @@ def segment2(module, layout: CacheLayout, cache: dict, carry_buf: SegmentCarry, 
         s, sel = ffn_and_output(block, c, carry.R_TnD, carry.mix, y, carry.ids_T)
         choices.append(sel)
     at = at._replace(floor_R=req.decoder_floor_R)
+    targets = c.dspark_target_layer_ids if layout.draft_stages else ()
+    features = {cut: jnp.mean(carry.R_TnD.astype(jnp.float32), axis=1)} if cut in targets else {}
     for block in module.layers[cut + 1:]:
         with jax.named_scope(f"layer_{block.role.layer_id}"):
+            if block.role.layer_id in targets:
+                features[block.role.layer_id] = mean_stream(s)
             R, mix, x = attention_input(block, c, s)
             with jax.named_scope("attn"):
                 y, cache = layers.attend(block, x, at, cache)
             s, sel = ffn_and_output(block, c, R, mix, y, carry.ids_T)
             choices.append(sel)
+    if targets:
+        with jax.named_scope("draft_context"):  # each request's last `window` rows: what a later draft reads
+            write = kept.valid_K & (carry.pos_T >= req.end_R[carry.req_T] - layout.window)
+            cache = draft.write_context(module.dspark, layout, cache, jnp.stack([features[t] for t in targets], 1),
+                                        carry.pos_T, req.slot_R[carry.req_T], write, fake_quant)
     with jax.named_scope("logits"):
         R, pre = final_streams(s)
         h_TD = module.norm(hc_collapse(R, pre))
-        logits = module.head(h_TD[kept.logit_row_R], jnp.float32)
+        rows_R = kept.logit_row_R
+        logits = module.head(h_TD[rows_R.reshape(-1)], jnp.float32).reshape(*rows_R.shape, -1)
     with jax.named_scope("prompt_logprobs"):  # the head on every kept row, only when a chunk asks
         rows = jax.lax.cond(jnp.any(kept.prompt_next_K >= 0),
                             lambda: _prompt_logprobs(module, h_TD, jnp.maximum(kept.prompt_next_K, 0)),

@@ -67,7 +67,8 @@ class KeptRows:
     valid_K: jax.Array
     first_R: jax.Array  # each request's first kept row
     qlen_R: jax.Array  # its kept rows
-    logit_row_R: jax.Array  # the kept row whose logits are sampled (the request's last)
+    logit_row_R: jax.Array  # the kept row whose logits are sampled (the request's last); with speculative decoding
+    #                         [R, J]: its last J rows (a verification chunk's 1 + k rows; others repeat the last)
     tiles: QueryTiles
     prompt_next_K: jax.Array  # prompt logprobs: the token after each kept row of a chunk that asks (-1: none)
 
@@ -99,3 +100,5 @@ class SegmentCarry:
     req_T: jax.Array
     topk: dict[int, jax.Array]  # index source layer id -> its top-k row ids [T, index_topk] (the candidate
     #                             source lies at or after the cut, so no candidate blocks cross it)
+    tails: dict[int, jax.Array]  # speculative decoding: ratio-2 source -> every row's raw [kv, gate] [T, 2, d]
+    #                              (serving.runtime.rollback restores a tail from it); empty otherwise

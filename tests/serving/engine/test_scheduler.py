@@ -138,3 +138,26 @@ def test_randomized_runs_keep_the_invariants():
     for r in list(live):
         s.remove(r)
     assert s.blocks.num_free_blocks == 20 and sorted(s.free_slots) == [0, 1, 2, 3] and n > 40
+
+
+def test_drafts_fit_the_token_budget_the_output_limit_and_min_tokens():
+    s = _sched(max_num_batched_tokens=8)
+    a, b = _req("a", 4), _req("b", 4, seed=1)
+    b.params = SamplingParams(temperature=0, max_tokens=3, stop_token_ids=(21,))
+    s.add(a), s.add(b)
+    _finish_step(s, s.schedule())  # both prefilled (8 tokens), one token each
+    a.draft_ids, b.draft_ids = [11, 12, 13, 14, 15], [21, 22, 23, 24, 25]
+    step = s.schedule()
+    # a: 1 + 5 drafts of the 8-token budget; b: 1 row and the 1 draft left in the budget (its max_tokens allows 2)
+    assert [(x.start, x.end, x.num_draft, x.sample) for x in step] == [(4, 10, 5, True), (4, 6, 1, True)]
+    # a accepts 2 drafts (3 tokens emitted): it has computed positions up to its last accepted draft
+    assert s.postprocess(step[0], [11, 12, 99]) is None and a.num_computed == 7 and a.token_ids[-3:] == [11, 12, 99]
+    # b emits 2 tokens of which the first is a stop id: the second is dropped
+    assert s.postprocess(step[1], [21, 98]) == ("stop", 21) and b.output_ids == [7, 21]
+    c = _req("c", 4, seed=2)
+    c.params = SamplingParams(temperature=0, min_tokens=4)
+    s2 = _sched()
+    s2.add(c)
+    _finish_step(s2, s2.schedule())
+    c.draft_ids = [1, 2]
+    assert s2.schedule()[0].num_draft == 0  # EOS is banned for the next rows: no drafts until min_tokens are out

@@ -1,0 +1,143 @@
+"""DSpark speculative decoding, measured in one run on the built-in nano-austen (its drafter was trained with it):
+
+acceptance  held-out prompts (passages of *Persuasion*, which training never saw), greedy, k = 1 .. block drafts
+            verified per step: the mean acceptance length (1 + accepted drafts / verification steps, vLLM's
+            definition), the per-position acceptance rate (drafts accepted at position i / verification steps) and
+            whether every output equals non-speculative decoding token for token.
+throughput  decode tokens/s of the engine's step loop (scheduler, runner, detokenizer) at c = 1 and c = 8 concurrent
+            requests, speculation off and on (k = block), alternating, `--repeats` each, medians: tokens generated
+            after every request had its first token, over the time from then to the last token.
+
+    python -m serving.bench.spec_decode [--dtype auto] [--json serving/bench/spec_decode.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from serving.api.server import ServerArgs
+
+
+def _engine(model, tok, spec: str | None, c: int, args):
+    from serving.engine.args import EngineArgs
+    from serving.engine.engine import Engine
+
+    kw = dict(max_num_seqs=max(c, 8), max_num_batched_tokens=args.max_num_batched_tokens,
+              max_model_len=args.prompt_len + args.max_tokens + 16, token_buckets=tuple(args.token_buckets))
+    return Engine(model, tok, EngineArgs.of(**kw, speculative_config=spec), progress=False)
+
+
+def _run(engine, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float, int]:
+    """Greedy outputs, and the decode window: (outputs, seconds from every request's first token to the last token,
+    tokens generated in that window)."""
+    from serving.runtime.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    out = {}
+    for i, p in enumerate(prompts):
+        engine.add_request(f"b{i}", p, params)
+        out[f"b{i}"] = []
+    t_all_first = None
+    at_start = 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+        if t_all_first is None and all(out.values()):
+            t_all_first, at_start = time.perf_counter(), sum(map(len, out.values()))
+    seconds = time.perf_counter() - t_all_first
+    return [out[f"b{i}"] for i in range(len(prompts))], seconds, sum(map(len, out.values())) - at_start
+
+
+def _counter(engine, name: str, position: int | None = None) -> float:
+    for line in engine.metrics.render().decode().splitlines():
+        if line.startswith(name + "_total{") and (position is None or f'position="{position}"' in line):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def acceptance(model, tok, prompts, plain_out, args) -> list[dict]:
+    rows = []
+    B = model.config.dspark_block_size
+    for k in range(1, B + 1):
+        eng = _engine(model, tok, json.dumps({"method": "dspark", "num_speculative_tokens": k}), len(prompts), args)
+        out, _, _ = _run(eng, prompts, args.max_tokens)
+        drafts = _counter(eng, "vllm:spec_decode_num_drafts")
+        acc = _counter(eng, "vllm:spec_decode_num_accepted_tokens")
+        rows.append({"k": k, "verification_steps": int(drafts), "accepted": int(acc),
+                     "acceptance_length": 1 + acc / drafts,
+                     "per_position_rate": [_counter(eng, "vllm:spec_decode_num_accepted_tokens_per_pos", i) / drafts
+                                           for i in range(k)],
+                     "outputs_equal_plain": sum(a == b for a, b in zip(out, plain_out)), "prompts": len(prompts)})
+        print(f"k={k}: acceptance length {rows[-1]['acceptance_length']:.3f}", flush=True)
+    return rows
+
+
+def throughput(model, tok, prompts, args) -> list[dict]:
+    B = model.config.dspark_block_size
+    rows = []
+    for c in (1, 8):
+        engines = {"off": _engine(model, tok, None, c, args),
+                   "on": _engine(model, tok, json.dumps({"method": "dspark", "num_speculative_tokens": B}), c, args)}
+        for eng in engines.values():
+            _run(eng, prompts[:c], 8)  # warm-up
+        tps = {"off": [], "on": []}
+        for _ in range(args.repeats):
+            for name, eng in engines.items():
+                _, seconds, n = _run(eng, prompts[:c], args.max_tokens)
+                tps[name].append(n / seconds)
+        med = {name: statistics.median(v) for name, v in tps.items()}
+        rows.append({"concurrency": c, "tokens_per_s_off": med["off"], "tokens_per_s_on": med["on"],
+                     "speedup": med["on"] / med["off"], "repeats": tps})
+        print(f"c={c}: off {med['off']:.1f} tok/s, on {med['on']:.1f} tok/s, x{med['on'] / med['off']:.2f}", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--prompts", type=int, default=16, help="held-out prompts for the acceptance table")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=128)
+    ap.add_argument("--token-buckets", type=lambda s: [int(x) for x in s.split(",")], default=[8, 16, 32, 64, 128])
+    ap.add_argument("--compilation-cache-dir", default=ServerArgs.compilation_cache_dir)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+
+    import dsv41
+    from dsv41 import nano
+    from serving.runtime.runner import enable_compilation_cache
+    from serving.text.tokenizer import Tokenizer
+
+    enable_compilation_cache(args.compilation_cache_dir)
+    folder = nano.NANO_DIR
+    model = dsv41.load(folder, dtype=dsv41.auto_dtype({}, release=True).name if args.dtype == "auto" else args.dtype)
+    tok = Tokenizer.from_dir(folder)
+    prompts = [list(map(int, p)) for p in nano.passages(args.prompt_len, args.prompts, folder)]
+    plain = _engine(model, tok, None, len(prompts), args)
+    plain_out, _, _ = _run(plain, prompts, args.max_tokens)
+    result = {"model": str(folder), "dtype": model.dtype.name, "block": model.config.dspark_block_size,
+              "prompts": args.prompts, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+              "acceptance": acceptance(model, tok, prompts, plain_out, args),
+              "throughput": throughput(model, tok, prompts, args)}
+    print("\n| k | acceptance length | per-position acceptance rate | outputs equal to plain |")
+    print("|---|---|---|---|")
+    for r in result["acceptance"]:
+        rates = " / ".join(f"{x:.2f}" for x in r["per_position_rate"])
+        print(f"| {r['k']} | {r['acceptance_length']:.3f} | {rates} | {r['outputs_equal_plain']}/{r['prompts']} |")
+    print("\n| concurrency | decode tok/s off | on (k = block) | on / off |")
+    print("|---|---|---|---|")
+    for r in result["throughput"]:
+        print(f"| {r['concurrency']} | {r['tokens_per_s_off']:.1f} | {r['tokens_per_s_on']:.1f} | {r['speedup']:.2f} |")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()

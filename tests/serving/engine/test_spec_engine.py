@@ -1,0 +1,117 @@
+"""Speculative decoding through the engine: greedy output equals non-speculative output token for token - alone,
+batched, after preemption (tiny, whose random drafter is always rejected, so every step rolls back), after a
+prefix hit, and on the trained nano-austen, whose drafter is accepted - and the spec-decode metrics count what was
+verified. Batched and preempted runs are compared with replay off: with bounded replay a preempted request's
+result depends on where its prefix hit lands (by design), and drafts reserve blocks, so preemptions differ."""
+
+import numpy as np
+import pytest
+
+import dsv41
+from dsv41.nano import NANO_DIR
+from serving.engine.args import EngineArgs
+from serving.engine.engine import Engine
+from serving.runtime.kv_cache import CacheLayout
+from serving.runtime.sampling_params import SamplingParams
+from serving.text.tokenizer import Tokenizer
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+SPEC = '{"method": "dspark"}'
+
+
+@pytest.fixture(scope="module")
+def model():
+    return dsv41.random_model("tiny", seed=3)
+
+
+def _args(model, **kw):
+    """12 KV blocks of 8 tokens: two 44-token requests fit, three preempt (as tests/serving/engine/test_engine.py)."""
+    probe = CacheLayout(model.config, 1, 8, 4, "auto", "float32", model.config.num_nextn_predict_layers)
+    return EngineArgs.of(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=96, block_size=8,
+                         kv_cache_memory=4 * probe.bytes_per_slot() + 12 * probe.bytes_per_block(),
+                         token_buckets=(8, 16, 32), **kw)
+
+
+def _prompt(seed, n=20):
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 512, n)]
+
+
+def _serve(engine, prompts, params=GREEDY):
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    out = {f"r{i}": [] for i in range(len(prompts))}
+    lps = {f"r{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+            lps[o.request_id] += [x.logprob for x in o.new_logprobs or []]
+    return [out[f"r{i}"] for i in range(len(prompts))], [lps[f"r{i}"] for i in range(len(prompts))]
+
+
+def _metric(engine, name):
+    for line in engine.metrics.render().decode().splitlines():
+        if line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not exported")
+
+
+@pytest.mark.parametrize("replay", [False, True], ids=["replay-off", "bounded-replay"])
+def test_greedy_speculative_equals_plain_alone_batched_preempted(model, replay):
+    plain = Engine(model, None, _args(model, swa_bounded_replay=replay), progress=False)
+    spec = Engine(model, None, _args(model, swa_bounded_replay=replay, speculative_config=SPEC), progress=False)
+    prompts = [_prompt(s) for s in range(3)]
+    for eng in (plain, spec):
+        eng.outs = [_serve(eng, [p]) for p in prompts]
+        if not replay:  # bounded replay's result depends on where a preempted request's hit lands, by design
+            eng.outs.append(_serve(eng, prompts))
+    assert replay or spec.scheduler.num_preemptions > 0, "three 44-token requests in 12 blocks must preempt"
+    for (p_toks, p_lps), (s_toks, s_lps) in zip(plain.outs, spec.outs):
+        assert s_toks == p_toks
+        for a, b in zip(p_lps, s_lps):
+            np.testing.assert_allclose(b, a, atol=1e-4)
+    assert spec.scheduler.num_free_blocks == spec.scheduler.num_blocks
+    drafts = _metric(spec, "vllm:spec_decode_num_drafts_total")
+    assert drafts > 0 and _metric(spec, "vllm:spec_decode_num_draft_tokens_total") <= 3 * drafts
+    # a prefix hit: the second request replays the shared prefix's last window and rebuilds its draft context
+    shared, short = _prompt(9, 66), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for eng in (plain, spec):
+        eng.hit = [_serve(eng, [shared + [5, 6, 7]], short)[0][0], _serve(eng, [shared + [8, 9]], short)[0][0]]
+        assert eng.metrics.prefix_hits._value.get() >= 64
+    assert spec.hit == plain.hit
+
+
+def test_seeded_sampling_and_stop_conditions_with_speculation(model):
+    """Sampled requests run through rejection sampling to their exact lengths; EOS banned until min_tokens."""
+    spec = Engine(model, None, _args(model, speculative_config=SPEC), progress=False)
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=17, min_tokens=5, logprobs=0)
+    toks, lps = _serve(spec, [_prompt(s) for s in range(2)], params)
+    for t, lp in zip(toks, lps):
+        assert 5 <= len(t) <= 17 and len(lp) == len(t) and all(x <= 0 for x in lp)
+        assert spec.eos_id not in t[:5]
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        spec.add_request("x", [5, 6], SamplingParams(prompt_logprobs=1))
+
+
+def test_nano_greedy_speculative_equals_plain_with_accepted_drafts():
+    """The trained drafter is accepted (so rows are committed from drafts and rolled back past a rejection), and
+    the output is still exactly the non-speculative one."""
+    model = dsv41.load(NANO_DIR, dtype="float32")
+    tok = Tokenizer.from_dir(NANO_DIR)
+    kw = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, token_buckets=(8, 32))
+    plain = Engine(model, tok, EngineArgs.of(**kw), progress=False)
+    spec = Engine(model, tok, EngineArgs.of(**kw, speculative_config=SPEC), progress=False)
+    prompts = [tok.encode(t) for t in ("Anne was", "It is a truth universally acknowledged", "Mr. Darcy said that",
+                                       "The morning was fine, and")]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    assert _serve(spec, prompts, params)[0] == _serve(plain, prompts, params)[0]
+    accepted = _metric(spec, "vllm:spec_decode_num_accepted_tokens_total")
+    assert accepted > 0, "the trained drafter's first position is accepted about 40% of the time"
+    per_pos = [_metric_pos(spec, i) for i in range(5)]
+    assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
+
+
+def _metric_pos(engine, i):
+    for line in engine.metrics.render().decode().splitlines():
+        if line.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total") and f'position="{i}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("per-position acceptance not exported")
