@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = [list(map(int, p)) for p in nano.passages(args.prompt_len, args.prompts, folder)]
     plain = _engine(model, tok, None, len(prompts), args)
     plain_out, _, _ = _run(plain, prompts, args.max_tokens)
-    result = {"model": str(folder), "dtype": model.dtype.name, "block": model.config.dspark_block_size,
+    result = {"model": folder.name, "dtype": model.dtype.name, "block": model.config.dspark_block_size,
               "prompts": args.prompts, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
               "acceptance": acceptance(model, tok, prompts, plain_out, args),
               "throughput": throughput(model, tok, prompts, args)}
