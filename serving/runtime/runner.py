@@ -410,7 +410,7 @@ class Runner:
             s = self._spec_inputs(chunks, built[0], R)
         with jax.profiler.TraceAnnotation("runner.snapshot"):
             snap = self._exe_for(("snapshot", R))(self.cache, s)
-        _, logits, _, _, rows, _ = self._segments(chunks, built)
+        logits = self._segments(chunks, built).logits
         row_params, row_pos, row_banned = [None] * R, [0] * R, [[] for _ in range(R)]
         for i, ch in enumerate(chunks):
             row_params[i], row_pos[i] = params[i], ch.end
