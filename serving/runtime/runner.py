@@ -342,7 +342,8 @@ class Runner:
     def forward(self, chunks: Sequence[SeqChunk]) -> jax.Array:
         """Run one step; the logits [len(chunks), vocab] of each chunk's last row (device array)."""
         seg = self._segments(chunks)
-        return seg.logits[jnp.asarray(seg.rows)]
+        logits = seg.logits[jnp.asarray(seg.rows)]
+        return logits[:, -1] if self.spec else logits  # speculative: [n, J, V], of which the last is the chunk's last row
 
     def _segments(self, chunks: Sequence[SeqChunk], built=None) -> _Segments:
         with jax.profiler.TraceAnnotation("runner.build"):

@@ -226,3 +226,9 @@ def test_served_rejection_sampling_matches_the_model_distribution():
 def _softmax(x):
     e = np.exp(x - x.max())
     return e / e.sum()
+
+
+def test_forward_of_a_speculative_runner_is_each_chunks_last_row(model, runner):
+    prompt = _prompt(21, 10)
+    logits = np.asarray(runner.forward([_chunk(prompt, 0, 10)]))
+    np.testing.assert_allclose(logits[0], np.asarray(model.logits(prompt))[-1], atol=1e-4)
