@@ -343,7 +343,7 @@ class Runner:
         """Run one step; the logits [len(chunks), vocab] of each chunk's last row (device array)."""
         seg = self._segments(chunks)
         logits = seg.logits[jnp.asarray(seg.rows)]
-        return logits[:, -1] if self.spec else logits  # speculative: [n, J, V], of which the last is the chunk's last row
+        return logits[:, -1] if self.spec else logits  # speculative: [n, J, V], the last being the chunk's last row
 
     def _segments(self, chunks: Sequence[SeqChunk], built=None) -> _Segments:
         with jax.profiler.TraceAnnotation("runner.build"):

@@ -3,9 +3,9 @@ verify each request's drafts against the target's logits, roll back the rejected
 block from the emitted bonus token - so a decode step is snapshot -> segment 1 -> segment 2 -> this, and its
 one device->host copy holds the emitted tokens and the next drafts.
 
-Requests are rows of the step (R: their count padded to a bucket); each has n_draft drafts to verify (0 for a prefill chunk,
-which samples its last row as usual and drafts its first block). The draft distributions q live on the device
-between steps, per slot ([num_slots, B, V]), so they never cross to the host.
+Requests are rows of the step (R: their count padded to a bucket); each has n_draft drafts to verify (0 for a
+prefill chunk, which samples its last row as usual and drafts its first block). The draft distributions q live on
+the device between steps, per slot ([num_slots, B, V]), so they never cross to the host.
 """
 
 from __future__ import annotations
