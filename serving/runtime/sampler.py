@@ -45,10 +45,7 @@ def sample(logits_RV: jax.Array, p: dict, *, max_top_k: int
     Banned ids are never sampled; logprobs stay those of the model (vLLM's raw logprobs)."""
     raw = logits_RV.astype(jnp.float32)
     R, V = raw.shape
-    ban = p["banned"]
-    hits = jnp.zeros((R, V), jnp.int32).at[jnp.arange(R)[:, None], jnp.maximum(ban, 0)].add(
-        (ban >= 0).astype(jnp.int32))
-    logits = jnp.where(hits > 0, -jnp.inf, raw)
+    logits = _without_banned(raw, p["banned"])
     K = min(max_top_k, V)
     greedy = p["temperature"] <= 0
     temp = jnp.where(greedy, 1.0, p["temperature"])[:, None]
@@ -58,15 +55,7 @@ def sample(logits_RV: jax.Array, p: dict, *, max_top_k: int
         return jax.vmap(lambda k: jax.random.gumbel(k, shape_tail, jnp.float32))(keys)
 
     filtered = (p["top_k"] > 0) | (p["top_p"] < 1) | (p["min_p"] > 0)
-    # Candidate set: the K largest logits, sorted descending.
-    cand_vals, cand_ids = jax.lax.top_k(logits, K)
-    scaled = cand_vals / temp
-    probs = jax.nn.softmax(scaled, axis=-1)
-    rank = jnp.arange(K)[None]
-    keep = jnp.where(p["top_k"][:, None] > 0, rank < p["top_k"][:, None], True)
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before this candidate
-    keep &= before < p["top_p"][:, None]
-    keep &= probs >= p["min_p"][:, None] * probs[:, :1]
+    cand_ids, scaled, keep = _candidates(logits, p, temp, K)
     cand_choice = jnp.argmax(jnp.where(keep, scaled + gumbel((K,)), -jnp.inf), axis=-1)
     filtered_tok = jnp.take_along_axis(cand_ids, cand_choice[:, None], axis=-1)[:, 0]
     full_tok = jax.lax.cond(jnp.any(~greedy & ~filtered),
@@ -79,28 +68,42 @@ def sample(logits_RV: jax.Array, p: dict, *, max_top_k: int
     return tok.astype(jnp.int32), logprob, top_ids.astype(jnp.int32), top_lp
 
 
+def _without_banned(raw_NV: jax.Array, ban_NB: jax.Array) -> jax.Array:
+    """Logits with each row's banned ids (-1: none) at -inf."""
+    N, V = raw_NV.shape
+    hits = jnp.zeros((N, V), jnp.int32).at[jnp.arange(N)[:, None], jnp.maximum(ban_NB, 0)].add(
+        (ban_NB >= 0).astype(jnp.int32))
+    return jnp.where(hits > 0, -jnp.inf, raw_NV)
+
+
+def _candidates(logits_NV: jax.Array, p: dict, temp_N1: jax.Array, K: int
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The K largest logits, sorted descending: their ids [N, K], temperature-scaled values [N, K] and which of them
+    top-k / top-p / min-p keep [N, K]."""
+    cand_vals, cand_ids = jax.lax.top_k(logits_NV, K)
+    scaled = cand_vals / temp_N1
+    probs = jax.nn.softmax(scaled, axis=-1)
+    rank = jnp.arange(K)[None]
+    keep = jnp.where(p["top_k"][:, None] > 0, rank < p["top_k"][:, None], True)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before this candidate
+    keep &= before < p["top_p"][:, None]
+    keep &= probs >= p["min_p"][:, None] * probs[:, :1]
+    return cand_ids, scaled, keep
+
+
 def target_logprobs(logits_NV: jax.Array, p: dict, *, max_top_k: int) -> tuple[jax.Array, jax.Array]:
     """The distribution `sample` draws each row from, as log-probabilities [N, V] (-inf where it never samples:
     banned ids, and outside top-k / top-p / min-p), and which rows are greedy [N] (their argmax is the draw).
     Speculative verification reads it (serving.runtime.speculative)."""
     raw = logits_NV.astype(jnp.float32)
     N, V = raw.shape
-    ban = p["banned"]
-    hits = jnp.zeros((N, V), jnp.int32).at[jnp.arange(N)[:, None], jnp.maximum(ban, 0)].add(
-        (ban >= 0).astype(jnp.int32))
-    logits = jnp.where(hits > 0, -jnp.inf, raw)
+    logits = _without_banned(raw, p["banned"])
     greedy = p["temperature"] <= 0
     temp = jnp.where(greedy, 1.0, p["temperature"])[:, None]
     filtered = ((p["top_k"] > 0) | (p["top_p"] < 1) | (p["min_p"] > 0)) & ~greedy
 
     def with_filters():
-        K = min(max_top_k, V)
-        cand_vals, cand_ids = jax.lax.top_k(logits, K)
-        probs = jax.nn.softmax(cand_vals / temp, axis=-1)
-        rank = jnp.arange(K)[None]
-        keep = jnp.where(p["top_k"][:, None] > 0, rank < p["top_k"][:, None], True)
-        keep &= jnp.cumsum(probs, axis=-1) - probs < p["top_p"][:, None]
-        keep &= probs >= p["min_p"][:, None] * probs[:, :1]
+        cand_ids, _, keep = _candidates(logits, p, temp, min(max_top_k, V))
         kept_V = jnp.zeros((N, V), jnp.bool_).at[jnp.arange(N)[:, None], cand_ids].set(keep)
         return jnp.where(filtered[:, None] & ~kept_V, -jnp.inf, logits / temp)
 

@@ -163,7 +163,7 @@ def verify(logp_RJV: jax.Array, greedy_R: jax.Array, drafts_RK: jax.Array, q_RKV
         n_block, scale = _block_accepts(jnp.exp(logp_RJV), q_RKV, jnp.exp(lp_d), q_d, u, n_draft_R)
         n = jnp.where(greedy_R, n, n_block)
     lp_n = jnp.take_along_axis(logp_RJV, n[:, None, None], axis=1)[:, 0]  # [R, V]: the bonus row
-    q_n = jnp.take_along_axis(q_RKV, jnp.minimum(n, K - 1)[:, None, None], axis=1)[:, 0] if K else jnp.zeros_like(lp_n)
+    q_n = jnp.take_along_axis(q_RKV, jnp.minimum(n, K - 1)[:, None, None], axis=1)[:, 0]
     rejected = (n < n_draft_R) & (method != "synthetic")
     residual = jnp.maximum(scale[:, None] * jnp.exp(lp_n) - jnp.where(rejected[:, None], q_n, 0.0), 0.0)
     # the residual is empty only where p <= q everywhere, i.e. p == q: then no draft is ever rejected there

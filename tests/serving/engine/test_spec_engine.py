@@ -14,6 +14,7 @@ from serving.engine.engine import Engine
 from serving.runtime.kv_cache import CacheLayout
 from serving.runtime.sampling_params import SamplingParams
 from serving.text.tokenizer import Tokenizer
+from tests.serving.engine.test_engine import _prompt, _serve
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
 SPEC = '{"method": "dspark"}'
@@ -32,22 +33,6 @@ def _args(model, **kw):
                          token_buckets=(8, 16, 32), **kw)
 
 
-def _prompt(seed, n=20):
-    return [int(t) for t in np.random.default_rng(seed).integers(3, 512, n)]
-
-
-def _serve(engine, prompts, params=GREEDY):
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
-    out = {f"r{i}": [] for i in range(len(prompts))}
-    lps = {f"r{i}": [] for i in range(len(prompts))}
-    while engine.has_unfinished():
-        for o in engine.step():
-            out[o.request_id] += o.new_token_ids
-            lps[o.request_id] += [x.logprob for x in o.new_logprobs or []]
-    return [out[f"r{i}"] for i in range(len(prompts))], [lps[f"r{i}"] for i in range(len(prompts))]
-
-
 def _metric(engine, name):
     for line in engine.metrics.render().decode().splitlines():
         if line.startswith(name + "{"):
@@ -61,9 +46,9 @@ def test_greedy_speculative_equals_plain_alone_batched_preempted(model, replay):
     spec = Engine(model, None, _args(model, swa_bounded_replay=replay, speculative_config=SPEC), progress=False)
     prompts = [_prompt(s) for s in range(3)]
     for eng in (plain, spec):
-        eng.outs = [_serve(eng, [p]) for p in prompts]
+        eng.outs = [_serve(eng, [p], GREEDY) for p in prompts]
         if not replay:  # bounded replay's result depends on where a preempted request's hit lands, by design
-            eng.outs.append(_serve(eng, prompts))
+            eng.outs.append(_serve(eng, prompts, GREEDY))
     assert replay or spec.scheduler.num_preemptions > 0, "three 44-token requests in 12 blocks must preempt"
     for (p_toks, p_lps), (s_toks, s_lps) in zip(plain.outs, spec.outs):
         assert s_toks == p_toks
@@ -76,7 +61,7 @@ def test_greedy_speculative_equals_plain_alone_batched_preempted(model, replay):
     shared, short = _prompt(9, 66), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     for eng in (plain, spec):
         eng.hit = [_serve(eng, [shared + [5, 6, 7]], short)[0][0], _serve(eng, [shared + [8, 9]], short)[0][0]]
-        assert eng.metrics.prefix_hits._value.get() >= 64
+        assert _metric(eng, "vllm:prefix_cache_hits_total") >= 64
     assert spec.hit == plain.hit
 
 
