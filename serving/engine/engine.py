@@ -171,8 +171,7 @@ class Engine:
                         draft_ids=req.draft_ids[:s.num_draft],
                         rank=req.rank, start=s.start, end=s.end, kv_floor=req.plan.replay_start,
                         write_floor=req.plan.write_floor,
-                        trim=self.args.runtime.swa_bounded_replay and not req.keeps_all_rows and not s.num_draft,
-                        sample=s.sample,
+                        trim=self.args.runtime.swa_bounded_replay and not req.keeps_all_rows, sample=s.sample,
                         prompt_logprobs=req.keeps_all_rows and req.request_id in self._prompt_lp
                         and s.start < req.num_prompt - 1)
 

@@ -45,6 +45,12 @@ class SeqChunk:
         """Drafts this chunk verifies: its rows past the request's tokens."""
         return max(0, self.end - len(self.token_ids))
 
+    @property
+    def trims(self) -> bool:
+        """Decoder replay trims this chunk: it asks to, and it verifies no drafts (a verification chunk is decode
+        rows: trimming would clip its first row's window in the layers after the cut)."""
+        return self.trim and not self.num_draft
+
     def tokens(self, lo: int, hi: int) -> list[int]:
         """Token ids of positions [lo, hi), the drafts included."""
         n = len(self.token_ids)
@@ -122,7 +128,7 @@ def build_step(chunks: Sequence[SeqChunk], buckets: Buckets, *, max_blocks: int,
         ids[sl] = ch.tokens(ch.start, ch.end)
         pos[sl] = np.arange(ch.start, ch.end)
         req[sl], valid[sl] = r, True
-        keep, dec_floor[r] = kept_rows(q, ch.end, ch.kv_floor, window, ch.trim)
+        keep, dec_floor[r] = kept_rows(q, ch.end, ch.kv_floor, window, ch.trims)
         kept_first[r], kept_qlen[r] = len(kept_idx), keep
         kept_idx.extend(range(f + q - keep, f + q))
         if verify_rows > 1:

@@ -220,7 +220,7 @@ class Runner:
         W = self.config.sliding_window
         T = token_bucket or self.buckets.token_bucket(max(sum(ch.num_tokens for ch in r) for r in by_rank))
         T2 = kept_bucket or self.buckets.token_bucket(
-            max(sum(kept_rows(ch.num_tokens, ch.end, ch.kv_floor, W, ch.trim)[0] for ch in r) for r in by_rank))
+            max(sum(kept_rows(ch.num_tokens, ch.end, ch.kv_floor, W, ch.trims)[0] for ch in r) for r in by_rank))
         built = [self._build_rank(r, token_bucket=T, kept_bucket=T2) for r in by_rank]
         batch = jax.tree.map(lambda *a: np.stack(a), *built)
         rows = np.array([r * self.rc.max_num_seqs + j for r, j in where], np.int32)

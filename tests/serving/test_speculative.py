@@ -49,8 +49,10 @@ def _set_state(r, state):
 
 
 def _chunk(tokens, start, end, drafts=()):
+    # a verification chunk asks to be trimmed, as the engine's do with bounded replay: it must not be trimmed all
+    # the same (the references - prefill, plain decode, the accepted rows as one chunk - are untrimmed)
     return SeqChunk(slot=1, block_table=list(range(8)), token_ids=tokens, start=start, end=end,
-                    draft_ids=list(drafts))
+                    draft_ids=list(drafts), trim=bool(drafts))
 
 
 def _greedy_run(r, prompt, n):
