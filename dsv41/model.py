@@ -77,7 +77,8 @@ def _publish_kv_source(block: Block, x: jax.Array, pub: _Published, c: ModelConf
     if frozen and role.layer_id in frozen:
         f_rows, f_keys = frozen[role.layer_id]
         rows = rows.at[: f_rows.shape[0]].set(f_rows.astype(rows.dtype))
-        keys = keys.at[: f_keys.shape[0]].set(f_keys.astype(keys.dtype))
+        if f_keys is not None:  # V4's HCA sources have no index keys
+            keys = keys.at[: f_keys.shape[0]].set(f_keys.astype(keys.dtype))
     pub.rows[role.layer_id] = rows
     if keys is not None:
         pub.index_keys[role.layer_id] = keys
@@ -168,12 +169,12 @@ def forward(model: Transformer, ids_T: jax.Array, engram_hashes: jax.Array | Non
 
 
 def published_rows(model: Transformer, ids_T: jax.Array, engram_hashes: jax.Array | None = None, *,
-                   fake_quant: bool = False) -> dict[int, tuple[jax.Array, jax.Array]]:
-    """{KV source: (global rows, index keys)} of a cold full-sequence pass (what a prefix cache holds):
+                   fake_quant: bool = False) -> dict[int, tuple[jax.Array, jax.Array | None]]:
+    """{KV source: (global rows, index keys or None)} of a cold full-sequence pass (what a prefix cache holds):
     only the layers up to the last KV source run."""
     c = model.config
     pub = _Published()
     last = max(r.layer_id for r in c.roles if r.is_kv_source)
     run_blocks(model.layers[: last + 1], c, _embed_streams(model, ids_T), ids_T,
                _backbone_attention(c, jnp.arange(ids_T.shape[0]), pub, fake_quant), engram_hashes=engram_hashes)
-    return {s: (pub.rows[s], pub.index_keys[s]) for s in pub.rows}
+    return {s: (pub.rows[s], pub.index_keys.get(s)) for s in pub.rows}

@@ -84,7 +84,9 @@ def _attention_case(rng, *, B, ctx, prefill_rows, smoke):
     meta = sa.AttnMeta(pos.astype(jnp.int32), req, jnp.arange(R, dtype=jnp.int32), jnp.full((R,), start, jnp.int32),
                        jnp.zeros(R, jnp.int32), jnp.arange(R * nb_req, dtype=jnp.int32).reshape(R, nb_req),
                        tiles=tiles)
-    topk = jnp.asarray(rng.integers(0, min(ctx, nb_req * rpb), (T, K)), jnp.int32)
+    n = min(ctx, nb_req * rpb)  # distinct ids per query, as the indexer returns them (-1 past the rows there are)
+    topk = jnp.asarray(np.stack([np.concatenate([rng.permutation(n)[:K], -np.ones(max(0, K - n), int)])
+                                 for _ in range(T)]), jnp.int32)
     f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
     theta = jnp.asarray(rng.uniform(0, 6, (T, 32 if not smoke else 8)), jnp.float32)
     args = (f(T, H, d), jnp.cos(theta), jnp.sin(theta), jnp.zeros(H, jnp.float32), f(T, d), ring, meta, rows, topk)

@@ -16,7 +16,8 @@ Inputs, for T query rows of R requests (each request's rows in position order):
               is congruent to k mod W; FP8 records (uint8 [.., d + d/32]) or float rows [.., d]
   meta        AttnMeta below
   rows_NPx    paged global rows [num_blocks, rows_per_block, .]: NVFP4 records (uint8) or float rows
-  topk_TK     global row ids per query (-1 = none)
+  topk_TK     distinct global row ids per query (-1 = none), as the indexer returns them (the XLA path's block
+              scan reads the selection as a set)
 Visible SWA positions of a query at p: max(p - W + 1, floor, 0) .. p; those >= start come from kv_Td.
 Output: float32 [T, H, d], or with out_fp8 (e4m3 [T, H*d], float32 scales [T, H*d/128]) - one UE8M0
 scale per 128 channels, the activation layout a block-scaled GEMM over [T, o_groups, H*d/o_groups] reads.
@@ -47,6 +48,8 @@ class AttnMeta(NamedTuple):
     block_table_RM: jax.Array  # [R, max_blocks] global-row blocks
     kv_row_T: jax.Array | None = None  # [T] row of kv_Td holding each query's own position (None: row t)
     tiles: QueryTiles | None = None  # the XLA path's work plan (None: one row per tile)
+    n_blocks: jax.Array | None = None  # XLA path: global-row blocks holding any query's rows (a dynamic bound, e.g.
+    #                                    the step's longest context; None: the whole block table)
 
 
 def _kv_rows(meta: AttnMeta, T: int) -> jax.Array:
@@ -170,8 +173,12 @@ def xla(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_NPx
         out_fp8: bool = False):
     """The CPU path, per query tile (`meta.tiles`): the tile's request ring [W] and its in-call rows from
     W - 1 rows before the tile through its last [W - 1 + size] are decoded once and shared by the tile's
-    queries (two small GEMMs per tile); each query adds its own top-k rows. Tiles run in vectorised groups
-    under lax.map, so the gathered keys stay bounded."""
+    queries (two small GEMMs per tile). The top-k rows: when a request's table holds at most as many rows as
+    the tile's queries select together (size x k), the tile scans its request's blocks up to `meta.n_blocks`,
+    each block decoded once for the whole tile and masked to each query's selection (online softmax across
+    blocks: a dense GEMM per block instead of a gather of k rows per query, which costs memory bandwidth on a
+    CPU); otherwise each query gathers its own k rows. Tiles run in vectorised groups under lax.map, so the
+    gathered keys stay bounded."""
     _check(q_THd, cos_Tr, kv_Td, ring_SWx, meta, rows_NPx, topk_TK)
     T, H, d = q_THd.shape
     W = ring_SWx.shape[1]
@@ -182,6 +189,10 @@ def xla(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_NPx
     tiles = plan_or_rows(meta.tiles, meta.req_T)
     kv_row = _kv_rows(meta, T)
     n_kv = kv_Td.shape[0]
+    dense_rows = topk_TK is not None and (
+        meta.block_table_RM.shape[1] * rows_NPx.shape[1] <= tiles.size * topk_TK.shape[1])
+    n_blocks = (jnp.asarray(meta.block_table_RM.shape[1], jnp.int32) if meta.n_blocks is None
+                else jnp.minimum(meta.n_blocks, meta.block_table_RM.shape[1]))
 
     def one_tile(i):
         rows, qok = tile_rows(tiles, i, T)
@@ -200,6 +211,10 @@ def xla(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_NPx
         vis = kok[None] & (kpos[None] <= qpos[:, None]) & (kpos[None] > qpos[:, None] - W)  # [size, K]
         logits = [jnp.where(vis[:, None], jnp.einsum("uhd,kd->uhk", q, keys, precision=hi) * scale, -jnp.inf)]
         values = [keys]
+        if topk_TK is not None and dense_rows:
+            out, denom = _blocks_softmax(q * scale, logits[0], keys, sink_H, rows_NPx, topk_TK[rows],
+                                         meta.block_table_RM[r], n_blocks, d)
+            return jnp.where(qok[:, None, None], out / denom, 0.0)
         if topk_TK is not None:
             idx = topk_TK[rows]  # [size, k]
             rpb, M = rows_NPx.shape[1], meta.block_table_RM.shape[1]
@@ -216,6 +231,34 @@ def xla(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_NPx
 
     out = scatter_rows(map_tiles(one_tile, tiles), tiles, T, 0.0)  # [T, H, d]
     return _finish(out, cos, sin, out_fp8)
+
+
+def _blocks_softmax(q_uhd, swa_logits_uhk, swa_keys_kd, sink_H, rows_NPx, idx_uk, table_M, n_blocks, d):
+    """One tile's attention over its SWA keys and, block by block of its request's global rows, the rows each
+    query selected: (unnormalised output [u, H, d], softmax denominator [u, H, 1]) with the sink in the
+    denominator. `q_uhd` is pre-scaled."""
+    hi = jax.lax.Precision.HIGHEST
+    u, rpb = idx_uk.shape[0], rows_NPx.shape[1]
+    n_rows = table_M.shape[0] * rpb
+    selected = jnp.zeros((u, n_rows + 1), jnp.bool_).at[jnp.arange(u)[:, None], jnp.where(
+        idx_uk >= 0, idx_uk, n_rows)].set(True)[:, :n_rows]
+    sink = jnp.broadcast_to(sink_H.astype(jnp.float32), swa_logits_uhk.shape[:2])
+    m = jnp.maximum(jnp.max(swa_logits_uhk, axis=-1), sink)
+    p = jnp.exp(swa_logits_uhk - m[..., None])
+    state = (m, jnp.exp(sink - m) + jnp.sum(p, axis=-1), jnp.einsum("uhk,kd->uhd", p, swa_keys_kd, precision=hi))
+
+    def block(b, state):
+        m, l, acc = state
+        g = records.decode_rows("nvfp4", rows_NPx[table_M[b]], d)  # [rpb, d], shared by the tile's queries
+        ok = jax.lax.dynamic_slice_in_dim(selected, b * rpb, rpb, axis=1)  # [u, rpb]
+        s = jnp.where(ok[:, None], jnp.einsum("uhd,kd->uhk", q_uhd, g, precision=hi), -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        alpha, p = jnp.exp(m - m_new), jnp.exp(s - m_new[..., None])
+        return m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + jnp.einsum(
+            "uhk,kd->uhd", p, g, precision=hi)
+
+    _, l, acc = jax.lax.fori_loop(0, n_blocks, block, state)
+    return acc, l[..., None]
 
 
 # ================================================================================== pallas

@@ -29,7 +29,8 @@ class ModelArgs:
         "help": "model id clients send (default: the folder or preset name)"})
     dtype: str = field(default="auto", metadata={"choices": DTYPES, "help": (
         "compute dtype; auto = the checkpoint's (bfloat16 for a release checkpoint and the full-size presets, "
-        "float32 for one stored in float32 and the test presets), but float32 on a CPU without native bfloat16 matmuls (dsv41.auto_dtype)")})
+        "float32 for one stored in float32 and the test presets), but float32 on a CPU backend, where XLA's bf16 "
+        "decode steps are slower (dsv41.auto_dtype)")})
     engram_cpu_offload: bool = field(default=True, metadata={
         "help": "keep a checkpoint's FP8 Engram tables in host memory, mapped from its files and shared by every "
                 "process on the host; each step gathers only its rows (vLLM's engram cpu_offload). Tables that "

@@ -69,16 +69,19 @@ def main(argv: list[str] | None = None) -> None:
         _say(f"model: {src.description}")
         _say(f"loaded in {time.perf_counter() - t0:.1f}s; precompiling the step buckets "
              f"(cached in {srv.compilation_cache_dir or 'memory only'}) ...")
-        engine = Engine(src.model, src.tokenizer, ea, model_name=src.name, progress=True)
+        engine = Engine(src.model, src.tokenizer, ea, model_name=src.name, progress=True,
+                        background_compile=srv.background_compile)
     except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")
     if ea.parallel.world_size > 1:
         _say(f"parallel layout: {ea.parallel.describe()}")
     kv = engine.runner.kv_report()
     per_rank = f" ({engine.runner.ranks} data-parallel ranks)" if engine.runner.ranks > 1 else ""
+    compiled = len(engine.runner.compiled_keys)
+    rest = "" if engine.runner.background_done else f" ({compiled} before ready, the others in the background)"
     _say(f"KV cache: {engine.scheduler.num_blocks} blocks of {engine.scheduler.block_size} tokens{per_rank}, "
-         f"{kv['total_bytes'] / 2**20:.1f} MiB; {len(engine.runner.buckets.tokens)} token buckets "
-         f"compiled in {engine.runner.compile_seconds:.1f}s")
+         f"{kv['total_bytes'] / 2**20:.1f} MiB; {len(engine.runner.buckets.tokens)} token buckets{rest}")
+    _say(f"replay: {engine.runner.replay_summary()}")
     aengine = AsyncEngine(engine)
     app = build_app(aengine, src.tokenizer, model_name=src.name, max_model_len=ea.runtime.max_model_len,
                     api_key=srv.api_key, max_body_bytes=srv.max_request_body_bytes, profile_dir=srv.profile_dir)

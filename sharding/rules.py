@@ -62,6 +62,8 @@ PARAM_RULES: tuple[tuple[str, Logical], ...] = (
 CACHE_RULES: dict[str, Logical] = {
     "swa": ("requests", None, None),  # [num_slots, W, d]
     "tail": ("requests", None, None),  # [num_slots, 2, d]
+    "pool": ("requests", None, None, None),  # [num_slots, S, 2, width]
+    "index_pool": ("requests", None, None, None),
     "rows": ("requests", None, None),  # [num_blocks, rows_per_block, d]
     "keys": ("requests", None, None),  # [num_blocks, rows_per_block, ihd]
 }

@@ -113,13 +113,12 @@ def test_formats_read_off_the_parameters_are_those_of_the_checkpoint(tiny_dir):
     assert model.num_parameters == dsv41.load(tiny_dir, weights="dequantize").num_parameters
 
 
-@pytest.mark.parametrize("native_bf16", [True, False])
-def test_dtype_auto_follows_the_checkpoint_and_the_cpu(tiny_dir, tmp_path, monkeypatch, native_bf16):
-    monkeypatch.setattr(api, "cpu_has_native_bf16", lambda: native_bf16)
+@pytest.mark.parametrize("on_cpu", [True, False])
+def test_dtype_auto_follows_the_checkpoint_and_the_backend(tiny_dir, tmp_path, monkeypatch, on_cpu):
+    monkeypatch.setattr(api, "_on_cpu", lambda: on_cpu)
     m = dsv41.random_model("tiny", seed=3)
     write_release(tmp_path, m, quantize=False)
-    on_cpu = jax.default_backend() == "cpu"
-    assert dsv41.load(tiny_dir, dtype="auto").dtype == (np.float32 if on_cpu and not native_bf16 else ml_dtypes.bfloat16)
+    assert dsv41.load(tiny_dir, dtype="auto").dtype == (np.float32 if on_cpu else ml_dtypes.bfloat16)
     assert dsv41.load(tmp_path, dtype="auto").dtype == np.float32  # stored in float32
     with pytest.raises(ValueError, match="dtype must be one of"):
         dsv41.load(tiny_dir, dtype="float16")

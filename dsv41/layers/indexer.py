@@ -46,7 +46,12 @@ class Indexer(nnx.Module):
         else:
             assert self.wk is not None and self.k_norm is not None, "only KV-source indexers own wk"
             k = self.k_norm(self.wk(source_Nc, jnp.float32))
-        k = apply_rope(k.astype(jnp.float32), cos, sin)
+        return self.rotate_keys(k, cos, sin, fake_quant)
+
+    @staticmethod
+    def rotate_keys(k_Nc: jax.Array, cos: jax.Array, sin: jax.Array, fake_quant: bool) -> jax.Array:
+        """Normed pre-RoPE keys -> the stored index keys (float32; MXFP4 fake-quant when asked)."""
+        k = apply_rope(k_Nc.astype(jnp.float32), cos, sin)
         return fake_quant_mxfp4(k) if fake_quant else k
 
     def queries(self, x_TD: jax.Array, qr_Tq: jax.Array, cos: jax.Array, sin: jax.Array, fake_quant: bool

@@ -44,6 +44,10 @@ class ServerArgs:
     compilation_cache_dir: str = field(default=str(Path.home() / ".cache" / "dsv41-jax" / "xla"), metadata={
         "help": "persistent XLA cache of the compiled steps: a restart with the same flags skips compiling ('' "
                 "turns it off)"})
+    background_compile: bool = field(default=True, metadata={
+        "help": "ready once the largest step bucket of each function is compiled; the smaller ones (faster small "
+                "steps) compile in a background thread while serving, steps padding up meanwhile (off: compile "
+                "every bucket before ready)"})
     disable_access_log: bool = field(default=False, metadata={"help": "no log line per HTTP request"})
     log_level: str = field(default="info", metadata={"choices": LOG_LEVELS, "help": "the server's log level"})
     profile_dir: str | None = field(default=None, metadata={

@@ -47,7 +47,7 @@ def _keys(r: Runner, lengths, args, bounded: bool) -> list[tuple]:
     W = r.config.sliding_window
     keys = set()
     for L in list(lengths) + [args.decode_context]:
-        kept = min(L, W) if bounded else L
+        kept = min(L, W) if bounded and r.decoder_replay else L
         keys |= {("seg1", L), ("seg2", r.buckets.token_bucket(kept))}
     for B in args.decode_batches:
         T = r.buckets.token_bucket(B)
@@ -140,6 +140,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                     help="compute dtype (the full-size presets, e.g. v41-flash-slice, get release-format random "
                          "weights: FP8 linears, MXFP4 experts)")
+    ap.add_argument("--weights", default="release", choices=("release", "dequantize"),
+                    help="a checkpoint's FP8 / MXFP4 weights kept in their formats (decoded by the ops) or decoded "
+                         "at load")
     ap.add_argument("--out", default="bench_prefill.json")
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--profile-dir", default=None, help="write a jax.profiler trace of each measurement here")
@@ -147,7 +150,7 @@ def main(argv=None) -> int:
     args.decode_batches = [int(x) for x in args.decode_batches.split(",")]
     lengths = [int(x) for x in args.lengths.split(",")]
     model = (dsv41.random_model(args.model, dtype=args.dtype) if args.model in dsv41.PRESETS
-             else dsv41.load(args.model, dtype=args.dtype))
+             else dsv41.load(args.model, dtype=args.dtype, weights=args.weights))
     vocab = model.config.vocab_size
     result = {"model": args.model, "dtype": args.dtype, "repeats": args.repeats, "prefill": {}, "decode": {},
               "compile_seconds": {}, "weight_read_bytes_per_s": weight_read_rate()}

@@ -67,12 +67,13 @@ def free_port() -> int:
 
 
 @contextmanager
-def server_process(cmd: list[str], port: int, log_path: Path, startup_timeout: float):
-    """Start `cmd` in its own process group, yield its base URL once GET /health answers 200, and stop
-    the whole group on exit (SIGTERM, then SIGKILL after 30 s)."""
+def server_process(cmd: list[str], port: int, log_path: Path, startup_timeout: float, env: dict | None = None):
+    """Start `cmd` in its own process group (environment `env`, default this process's), yield its base URL once
+    GET /health answers 200, and stop the whole group on exit (SIGTERM, then SIGKILL after 30 s)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, start_new_session=True,
+                                env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + startup_timeout

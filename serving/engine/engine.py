@@ -34,11 +34,11 @@ log = logging.getLogger("serving.engine")
 
 class Engine:
     def __init__(self, model: dsv41.Model, tokenizer=None, args: EngineArgs = EngineArgs(), *,
-                 model_name: str = "dsv41", progress: bool = True):
+                 model_name: str = "dsv41", progress: bool = True, background_compile: bool = False):
         """With `args.parallel` over more than one device the engine shards the model on that mesh
         (`sharding.model.ShardedModel`; the runner runs its segments per data-parallel rank in a `shard_map`): each
         rank has its own slots, blocks and batch, requests go to ranks by `dp_routing_policy`, and `args.eplb` may
-        balance the experts."""
+        balance the experts. `background_compile`: `Runner.precompile(background=True)` (the server's default)."""
         placement = None
         if args.parallel.world_size > 1:
             model = ShardedModel(model, args.parallel)
@@ -49,7 +49,7 @@ class Engine:
         self.eplb = EngineEplb(model, args.eplb, self.metrics) if args.eplb.enable_eplb else None
         self.runner = Runner(model, args.runtime, progress=progress, placement=placement,
                              expert_counts=args.eplb.enable_eplb)
-        self.runner.precompile()
+        self.runner.precompile(background=background_compile)
         self.spec = self.runner.spec
         if self.spec:
             self.metrics.add_spec_decode(self.spec.num_speculative_tokens)

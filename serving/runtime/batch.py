@@ -16,7 +16,7 @@ import numpy as np
 
 from pallas_kernels.tiles import max_tiles, plan_tiles
 from serving.runtime.decoder_replay import kept_rows
-from serving.runtime.step import KeptRows, Requests, Rows, StepBatch
+from serving.runtime.step import INDEX_RATIOS, KeptRows, Requests, Rows, StepBatch
 
 
 @dataclass
@@ -94,10 +94,12 @@ def token_ladder(max_tokens: int, window: int, smallest: int = 1) -> tuple[int, 
 
 def build_step(chunks: Sequence[SeqChunk], buckets: Buckets, *, max_blocks: int, window: int, block_size: int,
                engram_hashes: Callable[[SeqChunk], np.ndarray] | None = None, engram_row_shape: tuple[int, ...] = (),
-               token_bucket: int | None = None, kept_bucket: int | None = None, verify_rows: int = 1) -> StepBatch:
+               token_bucket: int | None = None, kept_bucket: int | None = None, verify_rows: int = 1,
+               decoder_replay: bool = True) -> StepBatch:
     """One rank's step as NumPy arrays; buckets may be forced (ahead-of-time compilation builds example
     batches of each shape). `engram_hashes(chunk)`: the chunk's Engram hash ids [q, *engram_row_shape].
-    `verify_rows` J > 1 (speculative decoding): logits rows [R, J], a chunk's last 1 + num_draft kept rows."""
+    `verify_rows` J > 1 (speculative decoding): logits rows [R, J], a chunk's last 1 + num_draft kept rows.
+    `decoder_replay` False (a model without a CED cut): no chunk is trimmed, whatever it asks."""
     R = buckets.max_num_seqs
     if len(chunks) > R:
         raise ValueError(f"{len(chunks)} requests exceed max_num_seqs {R}")
@@ -128,7 +130,7 @@ def build_step(chunks: Sequence[SeqChunk], buckets: Buckets, *, max_blocks: int,
         ids[sl] = ch.tokens(ch.start, ch.end)
         pos[sl] = np.arange(ch.start, ch.end)
         req[sl], valid[sl] = r, True
-        keep, dec_floor[r] = kept_rows(q, ch.end, ch.kv_floor, window, ch.trims)
+        keep, dec_floor[r] = kept_rows(q, ch.end, ch.kv_floor, window, ch.trims and decoder_replay)
         kept_first[r], kept_qlen[r] = len(kept_idx), keep
         kept_idx.extend(range(f + q - keep, f + q))
         if verify_rows > 1:
@@ -161,6 +163,6 @@ def build_step(chunks: Sequence[SeqChunk], buckets: Buckets, *, max_blocks: int,
                     np.array(next_ids + [-1] * pad, np.int32))
     # trip counts of the dense indexer loop: the blocks of the step's longest context, per compress ratio
     longest = max((ch.end for ch in chunks), default=0)
-    index_blocks = np.array([-(-(longest // ratio) // (block_size // ratio)) for ratio in (1, 2)], np.int32)
+    index_blocks = np.array([-(-(longest // r) // max(block_size // r, 1)) for r in INDEX_RATIOS], np.int32)
     return StepBatch(Requests(slot, start, end, kv_floor, write_floor, dec_floor, block_table), index_blocks,
                      rows, kept)

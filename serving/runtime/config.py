@@ -18,7 +18,9 @@ class RuntimeConfig:
     max_num_seqs: int = field(default=32, metadata={"help": "running requests (KV slots) per data-parallel rank"})
     max_num_batched_tokens: int = field(default=512, metadata={"help": "tokens per step per data-parallel rank"})
     max_model_len: int = field(default=4096, metadata={"help": "longest sequence, prompt + output, in tokens"})
-    block_size: int = field(default=64, metadata={"help": "tokens per KV-cache block (the prefix-cache unit)"})
+    block_size: int | None = field(default=None, metadata={
+        "help": "tokens per KV-cache block, the prefix-cache unit (default: the smallest size >= 64 holding whole "
+                "compressed rows of every layer: 64 for V4.1, 128 for V4's ratio-128 layers)"})
     kv_cache_dtype: str = field(default="auto", metadata={
         "choices": FORMATS, "help": "auto: the compute dtype (exact); release: FP8 SWA / NVFP4 global / MXFP4 "
                                     "indexer records"})
@@ -52,7 +54,7 @@ class RuntimeConfig:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config).to_json())
         SpeculativeConfig.parse(self.speculative_config)  # a bad one is refused here, naming the field
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "tile", "max_top_k"):
-            if getattr(self, name) <= 0:
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")

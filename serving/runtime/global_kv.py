@@ -9,7 +9,11 @@ open group at the end of a chunk leaves its raw [kv, gate] rows in the tail.
 Top-k (index sources): one call of the fused op `pallas_kernels.index_topk` under the block's
 `kernel_impl`. Dense sources score every visible row of the request's paged keys, scanning the cache
 blocks of the step's longest context (a dynamic bound: no recompile per length); the candidate source
-also picks its top candidate blocks; candidate consumers score only the rows of those blocks.
+also picks its top candidate blocks; candidate consumers score only the rows of those blocks. A source that
+neither publishes nor reads candidate blocks skips the indexer in a step whose longest context holds at most
+k rows (it would select them all).
+
+V4 sources (CSA ratio 4, HCA ratio 128) write through `serving.runtime.v4_kv` (windowed compressor state).
 """
 
 from __future__ import annotations
@@ -21,9 +25,9 @@ from dsv41.layers.rope import apply_rope, inv_freq, rope_angles
 from dsv41.quant import fake_quant_nvfp4
 from pallas_kernels.indexer import IndexMeta, index_topk
 from pallas_kernels.tiles import QueryTiles
-from serving.runtime import kv_cache
+from serving.runtime import kv_cache, v4_kv
 from serving.runtime.kv_cache import CacheLayout
-from serving.runtime.step import Requests
+from serving.runtime.step import INDEX_RATIOS, Requests
 
 
 def publish_source(layout: CacheLayout, block, x_TD: jax.Array, pos_T: jax.Array, req_T: jax.Array,
@@ -32,6 +36,8 @@ def publish_source(layout: CacheLayout, block, x_TD: jax.Array, pos_T: jax.Array
     """KV source `block`: write the rows closing in this step (+ index keys) and the open-group tail; returns the
     cache and, for a ratio-2 source, every row's raw [kv, gate] [T, 2, d] float32 (speculative rollback restores
     a tail from it), else None."""
+    if layout.config.family == "v4":
+        return v4_kv.publish(layout, block, x_TD, pos_T, req_T, valid_T, requests, cache, fake_quant), None
     c, s = layout.config, block.role.layer_id
     comp, r = block.attn.compressor, block.role.compress_ratio
     rpb = layout.rows_per_block(s)
@@ -78,8 +84,22 @@ def select_rows(layout: CacheLayout, block, q_Thc: jax.Array, w_Th: jax.Array, p
     source's blocks, for a layer that restricts its top-k to them."""
     c, role = layout.config, block.role
     r = role.compress_ratio
-    meta = IndexMeta((pos_T + 1) // r, req_T, requests.block_table_RM, n_blocks=index_blocks_2[r - 1], tiles=tiles)
+    n_blocks = index_blocks_2[INDEX_RATIOS.index(r)]
+    meta = IndexMeta((pos_T + 1) // r, req_T, requests.block_table_RM, n_blocks=n_blocks, tiles=tiles)
+    if not (role.is_candidate_source or role.uses_candidates):
+        # a step whose longest context has at most k rows selects them all: the scores cannot change the set
+        # (the attention reads it as a set), so the indexer is skipped - exact, and most short prompts' case
+        few = n_blocks * layout.rows_per_block(role.kv_source) <= c.index_topk
+        return jax.lax.cond(few, lambda: all_rows(pos_T, r, c.index_topk), lambda: index_topk(
+            q_Thc, w_Th, keys_cache, meta, k=c.index_topk, impl=block.kernel_impl)[0]), None
     return index_topk(q_Thc, w_Th, keys_cache, meta, k=c.index_topk,
                       candidates_TK=candidates_TK if role.uses_candidates else None,
                       cand_block=max(c.candidate_block_size, 1),
                       n_cand_blocks=c.candidate_topk_blocks if role.is_candidate_source else 0, impl=block.kernel_impl)
+
+
+def all_rows(pos_T: jax.Array, ratio: int, n_rows: int) -> jax.Array:
+    """Every visible compressed row of each query [T, n_rows] (ids, -1 past (pos + 1) // ratio): V4's HCA layers
+    (all rows of their own KV), and an index source's top-k when no query sees more than k rows."""
+    ids = jnp.arange(n_rows, dtype=jnp.int32)[None, :]
+    return jnp.where(ids < ((pos_T + 1) // ratio)[:, None], ids, -1)

@@ -5,6 +5,9 @@ Groups:
   keys[s]  its index keys, paged with the same block ids:  [num_blocks, block_size / ratio, ihd]
   swa[l]   every layer's sliding window, request-private ring (position p at p % W): [num_slots, W, d]
   tail[s]  ratio-2 sources: the open group's raw fp32 [kv, gate] rows, per slot: [num_slots, 2, d]
+  pool[s], index_pool[s]  V4 sources (CSA ratio 4, HCA ratio 128) and their indexers' compressors: the raw fp32
+           [kv, gate + ape] of the request's last S positions, per slot (serving.runtime.v4_kv):
+           [num_slots, S, 2, width] (CSA: S = 8, width 2d for the two overlapping series; HCA: S = 128, width d)
   draft[k] speculative decoding: DSpark stage k's context ring, like swa: [num_slots, W, d]
 Only `rows` and `keys` are prefix-cacheable (one block id covers block_size positions of every source).
 Engram look-back ids are host data (the scheduler holds every request's tokens).
@@ -26,6 +29,14 @@ from dsv41 import quant
 from dsv41.config import ModelConfig
 
 FORMATS = ("auto", "release")
+PRIVATE_GROUPS = ("swa", "tail", "pool", "index_pool", "draft")  # per request slot, never prefix-cached
+
+
+def pool_ring(ratio: int, d: int) -> tuple[int, int, int]:
+    """A V4 compressor's per-slot state: (positions S, [kv, gate], width). CSA (ratio 4) pools two overlapping
+    series of width d over the previous and the current window; HCA (ratio 128) one series over its window."""
+    k = 2 if ratio == 4 else 1
+    return k * ratio, 2, k * d
 
 
 @dataclass(frozen=True)
@@ -59,6 +70,11 @@ class CacheLayout:
         """KV sources that own index keys (an indexer with wk)."""
         return tuple(r.layer_id for r in self.config.roles if r.is_kv_source and r.is_index_source)
 
+    @property
+    def v4_sources(self) -> tuple[int, ...]:
+        """V4 compat: every compressed layer is its own KV source with windowed compressor state."""
+        return self.sources if self.config.family == "v4" else ()
+
     def rows_per_block(self, source: int) -> int:
         return self.block_size // self.config.compress_ratios[source]
 
@@ -90,7 +106,11 @@ class CacheLayout:
             "rows": {s: S((self.num_blocks, self.rows_per_block(s), rw), rdt) for s in self.sources},
             "keys": {s: S((self.num_blocks, self.rows_per_block(s), kw), kdt) for s in self.index_sources},
             "tail": {s: S((self.num_slots, 2, c.head_dim), jnp.float32) for s in self.sources
-                     if c.compress_ratios[s] == 2},
+                     if c.compress_ratios[s] == 2 and c.family == "v41"},
+            "pool": {s: S((self.num_slots, *pool_ring(c.compress_ratios[s], c.head_dim)), jnp.float32)
+                     for s in self.v4_sources},
+            "index_pool": {s: S((self.num_slots, *pool_ring(c.compress_ratios[s], c.index_head_dim)), jnp.float32)
+                           for s in self.v4_sources if s in self.index_sources},
             **draft,
         }
 
@@ -101,7 +121,7 @@ class CacheLayout:
 
     def bytes_per_slot(self) -> int:
         sh = self.shapes()
-        return sum(_nbytes(a) // self.num_slots for g in ("swa", "tail", "draft") for a in sh.get(g, {}).values())
+        return sum(_nbytes(a) // self.num_slots for g in PRIVATE_GROUPS for a in sh.get(g, {}).values())
 
     def report(self) -> dict:
         """Bytes per token of the prefix-cacheable (global) groups and per request of the private ones."""

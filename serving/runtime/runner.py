@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
+import threading
 import time
 from typing import NamedTuple, Sequence
 
@@ -33,6 +34,7 @@ from serving.runtime.config import RuntimeConfig
 from serving.runtime.batch import Buckets, SeqChunk, build_step, token_ladder
 from serving.runtime.step import KeptRows, StepBatch
 from serving.runtime.decoder_replay import kept_rows
+from serving.runtime.encoder_replay import replay_length
 from serving.runtime.kv_cache import CacheLayout
 from serving.runtime.sampler import sample, sampling_arrays
 from serving.runtime.sampling_params import SamplingParams
@@ -80,9 +82,10 @@ class _Segments(NamedTuple):
 
 
 def check_supported(c: dsv41.ModelConfig) -> None:
-    """The runtime's CED topology requirements (those of vLLM's decoder replay, spec §3.1)."""
-    if c.family != "v41":
-        raise ValueError("the serving runtime runs V4.1 models; V4 checkpoints run through dsv41.Model.logits")
+    """The runtime's CED topology requirements (those of vLLM's decoder replay, spec §3.1). V4 has no CED cut:
+    every row runs every layer (segments.split_layer) and nothing is trimmed."""
+    if c.family == "v4":
+        return
     if c.cut_layer is None:
         raise ValueError("the runtime needs a KV source (kv_source_layer_ids) to split the CED segments")
     cut = c.cut_layer
@@ -112,18 +115,20 @@ class Runner:
         self.verify_rows = 1 + c.dspark_block_size if self.spec else 1
         draft_stages = c.num_nextn_predict_layers if self.spec else 0
         memory = rc.kv_cache_memory
-        probe = CacheLayout(c, 1, rc.block_size, rc.max_num_seqs, rc.kv_cache_dtype, model.dtype.name, draft_stages)
+        block_size = rc.block_size or kv_cache.smallest_block_size(c, 64)
+        probe = CacheLayout(c, 1, block_size, rc.max_num_seqs, rc.kv_cache_dtype, model.dtype.name, draft_stages)
         if memory is None:
-            blocks = rc.max_num_seqs * -(-rc.max_model_len // rc.block_size)
+            blocks = rc.max_num_seqs * -(-rc.max_model_len // block_size)
             memory = probe.bytes_per_slot() * rc.max_num_seqs + probe.bytes_per_block() * blocks
         # One rank's cache; with R ranks the device arrays hold R of these one after another.
-        self.layout = kv_cache.plan_layout(c, memory_bytes=memory, block_size=rc.block_size,
+        self.layout = kv_cache.plan_layout(c, memory_bytes=memory, block_size=block_size,
                                            num_slots=rc.max_num_seqs, max_model_len=rc.max_model_len,
                                            fmt=rc.kv_cache_dtype, dtype=model.dtype.name, draft_stages=draft_stages)
         self.placement = placement
         self.ranks = placement.ranks if placement else 1
         self.cache = placement.zeros(self.layout.shapes(), cache=True) if placement else kv_cache.allocate(self.layout)
-        self.max_blocks = -(-rc.max_model_len // rc.block_size)
+        self.max_blocks = -(-rc.max_model_len // block_size)
+        self.decoder_replay = c.family == "v41"  # V4 has no CED cut: no chunk is trimmed
         ladder = tuple(sorted(rc.token_buckets)) if rc.token_buckets else token_ladder(rc.max_num_batched_tokens,
                                                                                         c.sliding_window)
         self.buckets = Buckets(ladder, rc.max_num_seqs, rc.tile)
@@ -185,7 +190,8 @@ class Runner:
             self._fns["spec"] = jax.jit(_named(speculative, "speculative"), donate_argnums=(1, 4))
             # the draft distributions each slot's drafts were drawn from (rejection sampling reads them)
             self.q_buf = jnp.zeros((rc.max_num_seqs, c.dspark_block_size, c.vocab_size), jnp.float32)
-        self._exe: dict[tuple, object] = {}
+        self._exe: dict[tuple, object] = {}  # filled by precompile (and its background thread)
+        self._background: threading.Thread | None = None
         self.progress = progress
         self.compile_seconds = 0.0
 
@@ -199,7 +205,8 @@ class Runner:
         engram = {} if eg is None else {"engram_hashes": self._engram_hashes,
                                         "engram_row_shape": (len(eg.layer_ids), (eg.max_ngram - 1) * eg.n_heads)}
         batch = build_step(chunks, self.buckets, max_blocks=self.max_blocks, window=self.config.sliding_window,
-                           block_size=self.layout.block_size, verify_rows=self.verify_rows, **engram, **forced)
+                           block_size=self.layout.block_size, verify_rows=self.verify_rows,
+                           decoder_replay=self.decoder_replay, **engram, **forced)
         if self.model.engram_tables is not None:  # host tables: the step carries its rows, not their ids
             rows = self.model.engram_tables.gather(batch.rows.engram_TEc, valid=batch.rows.valid_T)  # no padding
             batch = dataclasses.replace(batch, rows=dataclasses.replace(batch.rows, engram_TEc=rows))
@@ -217,10 +224,11 @@ class Runner:
                                  "data-parallel ranks")
             where.append((ch.rank, len(by_rank[ch.rank])))
             by_rank[ch.rank].append(ch)
-        W = self.config.sliding_window
-        T = token_bucket or self.buckets.token_bucket(max(sum(ch.num_tokens for ch in r) for r in by_rank))
-        T2 = kept_bucket or self.buckets.token_bucket(
-            max(sum(kept_rows(ch.num_tokens, ch.end, ch.kv_floor, W, ch.trims)[0] for ch in r) for r in by_rank))
+        W, sizes = self.config.sliding_window, self.buckets.tokens
+        T = token_bucket or self._bucket("seg1", max(sum(ch.num_tokens for ch in r) for r in by_rank), sizes)
+        T2 = kept_bucket or self._bucket("seg2", max(
+            sum(kept_rows(ch.num_tokens, ch.end, ch.kv_floor, W, ch.trims and self.decoder_replay)[0] for ch in r)
+            for r in by_rank), sizes)
         built = [self._build_rank(r, token_bucket=T, kept_bucket=T2) for r in by_rank]
         batch = jax.tree.map(lambda *a: np.stack(a), *built)
         rows = np.array([r * self.rc.max_num_seqs + j for r, j in where], np.int32)
@@ -243,9 +251,26 @@ class Runner:
         last = [(f, r) for r in self.spec_rows for f in ("snapshot", "spec")] if self.spec else [("sample",)]
         return [("seg1", t) for t in T] + [("seg2", t) for t in T] + last
 
-    def precompile(self, keys: Sequence[tuple] | None = None) -> float:
-        """Compile every bucket (or `keys`); returns the seconds spent."""
+    def essential_keys(self) -> list[tuple]:
+        """The buckets any step can run on: the largest of each function (a smaller step pads up to it)."""
+        T = self.buckets.tokens[-1]
+        last = [(f, self.spec_rows[-1]) for f in ("snapshot", "spec")] if self.spec else [("sample",)]
+        return [("seg1", T), ("seg2", T)] + last
+
+    def precompile(self, keys: Sequence[tuple] | None = None, *, background: bool = False) -> float:
+        """Compile every bucket (or `keys`); returns the seconds spent. `background`: compile only the essential
+        keys now and the others (smallest first: decode steps gain most) in a daemon thread; until a step's own
+        bucket is ready it runs padded to the smallest compiled one that fits (`background_done` tells when all
+        are). The serving loop itself still never compiles."""
         keys = list(keys or self.bucket_keys())
+        if background:
+            now = [k for k in self.essential_keys() if k in keys]
+            rest = sorted((k for k in keys if k not in now), key=lambda k: (k[1:] or (0,), k[0]))
+            seconds = self.precompile(now)
+            self._background = threading.Thread(target=self._compile_rest, args=(rest,), name="precompile",
+                                                daemon=True)
+            self._background.start()
+            return seconds
         start = time.perf_counter()
         for n, key in enumerate(keys):
             if key not in self._exe:
@@ -253,6 +278,27 @@ class Runner:
             if self.progress:
                 _bar(n + 1, len(keys), f"precompiling {key[0]} {key[1:]}", time.perf_counter() - start)
         return time.perf_counter() - start
+
+    def _compile_rest(self, keys: list[tuple]) -> None:
+        start = time.perf_counter()
+        for key in keys:
+            if key not in self._exe:
+                self._compile_key(key)
+        if self.progress:
+            sys.stderr.write(f"[dsv41-jax] background: the other {len(keys)} buckets compiled in "
+                             f"{time.perf_counter() - start:.1f}s\n")
+
+    @property
+    def background_done(self) -> bool:
+        return self._background is None or not self._background.is_alive()
+
+    def _bucket(self, fn: str, n: int, sizes: Sequence[int]) -> int:
+        """The smallest size >= n whose (fn, size) bucket is compiled; the smallest that fits if none is (the
+        step then fails with CompileInServingLoop)."""
+        fits = [b for b in sizes if b >= n]
+        if not fits:
+            raise ValueError(f"{n} tokens exceed the largest token bucket {sizes[-1]}")
+        return next((b for b in fits if (fn, b) in self._exe), fits[0])
 
     def _compile_key(self, key: tuple) -> None:
         name = key[0]
@@ -289,7 +335,7 @@ class Runner:
     @property
     def compiled_keys(self) -> list[tuple]:
         """The bucket keys compiled so far (see `bucket_keys`)."""
-        return list(self._exe)
+        return list(self._exe.copy())  # the background compiler may be adding to it
 
     def compiled_text(self, key: tuple) -> str:
         """The optimised HLO of a compiled bucket (what XLA runs), e.g. to check for sorts or collectives."""
@@ -309,12 +355,23 @@ class Runner:
         """The parameter arrays the compiled steps run on (flattened NNX state)."""
         return self._leaves
 
+    def replay_summary(self) -> str:
+        """One line for the banner: what a prefix hit replays and which rows run the layers after the CED cut."""
+        c, W, bounded = self.config, self.config.sliding_window, self.rc.swa_bounded_replay
+        enc = (f"prefix hits replay their last {W} tokens (bounded)" if bounded
+               else f"prefix hits recompute the exact {replay_length(c, False)}-token halo")
+        if not self.decoder_replay:
+            return f"{enc}; no CED cut in a {c.family} model: every row runs every layer (no decoder trimming)"
+        dec = (f"the layers after the CED cut (layer {c.cut_layer}) run each prefill's last {W} rows" if bounded
+               else "no decoder trimming")
+        return f"{enc}; {dec}"
+
     def kv_report(self) -> dict:
         """Bytes of the live cache arrays: per token of the paged (prefix-cacheable) groups, per request slot
         of the private ones (SWA rings, tails); `total_bytes` over every data-parallel rank."""
         L, n = self.layout, self.ranks
         paged = sum(a.nbytes for g in ("rows", "keys") for a in self.cache[g].values())
-        private = sum(a.nbytes for g in ("swa", "tail", "draft") for a in self.cache.get(g, {}).values())
+        private = sum(a.nbytes for g in kv_cache.PRIVATE_GROUPS for a in self.cache.get(g, {}).values())
         return {**L.report(), "data_parallel_ranks": n,
                 "global_bytes_per_token": paged / (n * L.num_blocks * L.block_size),
                 "swa_and_tail_bytes_per_request": private / (n * L.num_slots), "total_bytes": paged + private}
@@ -405,7 +462,7 @@ class Runner:
                           banned: Sequence[Sequence[int]] | None) -> StepOutput:
         if any(ch.prompt_logprobs for ch in chunks):
             raise ValueError("prompt logprobs are not served with speculative decoding")
-        R = next(r for r in self.spec_rows if r >= len(chunks))  # the requests' rows bucket
+        R = self._bucket("spec", len(chunks), self.spec_rows)  # the requests' rows bucket
         with jax.profiler.TraceAnnotation("runner.build"):
             built = self._build(chunks)
             s = self._spec_inputs(chunks, built[0], R)

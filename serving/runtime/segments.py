@@ -36,7 +36,7 @@ from serving.runtime.attention import sparse_attention, write_ring
 from serving.runtime.decoder_replay import gather_kept
 from serving.runtime.kv_cache import CacheLayout
 from serving.runtime.sampling_params import MAX_LOGPROBS
-from serving.runtime.step import SegmentCarry, StepBatch
+from serving.runtime.step import INDEX_RATIOS, SegmentCarry, StepBatch
 
 
 class _RowView(NamedTuple):
@@ -85,7 +85,11 @@ class _Layers:
         else:
             kv, kv_all, kv_row = cut_kv
         rows_cache = topk = None
-        if role.attn_kind == "compressed":
+        if role.attn_kind == "hca":  # V4: every visible row of its own compressed KV
+            n_rows = req.block_table_RM.shape[1] * layout.rows_per_block(role.kv_source)
+            topk = global_kv.all_rows(at.pos_T, role.compress_ratio, n_rows)
+            rows_cache = cache["rows"][role.kv_source]
+        elif role.attn_kind != "swa":  # V4.1's compressed layers, V4's CSA
             if role.is_index_source:
                 qi, wi = attn.indexer.queries(x_TD, qr, cos, sin, self.fake_quant)
                 ids, cand = global_kv.select_rows(layout, block, qi, wi, at.pos_T, at.req_T, at.tiles, req,
@@ -94,7 +98,11 @@ class _Layers:
                 if role.is_candidate_source:
                     self.candidates = cand
             topk, rows_cache = self.topk[role.index_source], cache["rows"][role.kv_source]
-        meta = AttnMeta(at.pos_T, at.req_T, req.slot_R, req.start_R, at.floor_R, req.block_table_RM, kv_row, at.tiles)
+        n_blocks = None  # the global-row blocks of the step's longest context (the XLA path's scan length)
+        if rows_cache is not None:
+            n_blocks = self.index_blocks_2[INDEX_RATIOS.index(c.compress_ratios[role.kv_source])]
+        meta = AttnMeta(at.pos_T, at.req_T, req.slot_R, req.start_R, at.floor_R, req.block_table_RM, kv_row, at.tiles,
+                        n_blocks)
         o = sparse_attention(q, cos, sin, attn.attn_sink[...], kv_all, cache["swa"][role.layer_id], meta,
                              rows_cache=rows_cache, topk_Tk=topk, impl=block.kernel_impl)
         last_rows = at.valid_T & (at.pos_T >= req.end_R[at.req_T] - layout.window)
@@ -111,10 +119,16 @@ def _counts(on: bool, choices: list[jax.Array], valid_T: jax.Array, module) -> j
     return jnp.stack([expert_load.expert_counts(sel, valid_T, E) for sel in choices]) if choices else jnp.zeros((0, E), jnp.int32)
 
 
+def split_layer(c) -> int:
+    """The layer the two segments share: V4.1's CED cut; V4 (no cut, every row runs every layer, nothing is
+    trimmed) its last layer, so both families run the same two functions."""
+    return c.cut_layer if c.family == "v41" else c.num_hidden_layers - 1
+
+
 def segment1(module, layout: CacheLayout, cache: dict, carry_buf: SegmentCarry | None, batch: StepBatch, *,
              fake_quant: bool, expert_counts: bool = False) -> tuple[dict, SegmentCarry, jax.Array | None]:
     """(cache, the carry rows in `carry_buf`, expert counts of layers 0 .. cut-1 [cut, E] or None)."""
-    c, cut = layout.config, layout.config.cut_layer
+    c, cut = layout.config, split_layer(layout.config)
     rows, req = batch.rows, batch.requests
     at = _RowView(rows.pos_T, rows.req_T, rows.valid_T, rows.tiles, req.kv_floor_R)
     layers = _Layers(layout, batch, fake_quant)
@@ -135,8 +149,10 @@ def segment1(module, layout: CacheLayout, cache: dict, carry_buf: SegmentCarry |
         kv = block.attn.project_kv(x, cos, sin, fake_quant)
         if block.role.is_kv_source:
             cache, _ = global_kv.publish_source(layout, block, x, rows.pos_T, rows.req_T, rows.valid_T, req, cache,
-                                                fake_quant)  # the cut source has ratio 1: no tail
-    carry = SegmentCarry(R, x, mix, kv, rows.ids_T, rows.pos_T, rows.req_T, layers.topk, layers.raw_tails)
+                                                fake_quant)  # V4.1's cut source has ratio 1: no tail
+    read_later = {r.index_source for r in c.roles[cut:] if r.index_source is not None}  # top-k segment 2 reads
+    topk = {l: ids for l, ids in layers.topk.items() if l in read_later}
+    carry = SegmentCarry(R, x, mix, kv, rows.ids_T, rows.pos_T, rows.req_T, topk, layers.raw_tails)
     counts = _counts(expert_counts, choices, rows.valid_T, module)
     if carry_buf is None:  # shape probe: the carry of this bucket
         return cache, carry, counts
@@ -151,7 +167,7 @@ def segment2(module, layout: CacheLayout, cache: dict, carry_buf: SegmentCarry, 
     [max_num_seqs, J, V]; and each draft stage's context rows are written), prompt logprobs of every kept row:
     next-token logprob [K] and top ids / logprobs [K, MAX_LOGPROBS] - zeros unless a chunk asked for them - and
     the expert counts of layers cut .. L-1 over the kept rows [L - cut, E] or None)."""
-    c, cut = layout.config, layout.config.cut_layer
+    c, cut = layout.config, split_layer(layout.config)
     kept, req = batch.kept, batch.requests
     carry = gather_kept(carry_buf, kept)
     layers = _Layers(layout, batch, fake_quant, topk=carry.topk)
@@ -181,7 +197,7 @@ def segment2(module, layout: CacheLayout, cache: dict, carry_buf: SegmentCarry, 
                                         carry.pos_T, req.slot_R[carry.req_T], write, fake_quant)
     with jax.named_scope("logits"):
         R, pre = final_streams(s)
-        h_TD = module.norm(hc_collapse(R, pre))
+        h_TD = module.norm(module.hc_head(R) if module.hc_head is not None else hc_collapse(R, pre))
         rows_R = kept.logit_row_R
         logits = module.head(h_TD[rows_R.reshape(-1)], jnp.float32).reshape(*rows_R.shape, -1)
     with jax.named_scope("prompt_logprobs"):  # the head on every kept row, only when a chunk asks

@@ -7,7 +7,7 @@ read on the device by the segments, attention and decoder replay:
   rows      [T]  segment 1: every row the step computes, each request's rows contiguous and in order
   kept      [K]  segment 2: the rows that run after the CED cut (decoder replay), as indices into `rows`
   index_blocks_2  the dense indexer's trip counts: cache blocks holding the step's longest context, per
-                  compress ratio (index 0: ratio 1, 1: ratio 2) - dynamic values, so no recompilation
+                  compress ratio (in INDEX_RATIOS order) - dynamic values, so no recompilation
 
 Segment 1 receives the batch without `kept` and segment 2 without `rows`, so each compiles for its own
 bucket only. `SegmentCarry` is what segment 1 leaves for segment 2 (in a persistent buffer of the largest
@@ -26,6 +26,9 @@ import jax
 
 from dsv41.layers.mhc import HcMix
 from pallas_kernels.tiles import QueryTiles
+
+
+INDEX_RATIOS = (1, 2, 4, 128)  # V4.1's compress ratios, then V4's (CSA, HCA)
 
 
 def _pytree(cls):

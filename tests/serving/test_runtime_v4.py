@@ -1,0 +1,129 @@
+"""V4-Flash through the serving runtime (the tiny V4 oracle config, random weights, float32): CSA (ratio 4,
+overlapping windows) and HCA (ratio 128) global KV written as windows close from per-slot compressor state,
+the V4 indexer, hash-routed layers and hc_head. Replay off == the exact full-sequence forward for any chunking,
+decode and prefix hit; replay on == the bounded reference; nothing is trimmed (no CED cut)."""
+
+import numpy as np
+import pytest
+
+import dsv41
+from dsv41.bounded import bounded_logits
+from dsv41.config import load_config
+from serving.runtime.config import RuntimeConfig
+from serving.runtime.runner import Runner
+from tests.serving.driver import Driver
+from tests.serving.test_runtime import TOL, _max_err, _run
+
+CONFIG = "tests/fixtures/oracle/v4_tiny/config.json"  # 4 layers: SWA (hash-routed), CSA, HCA, CSA; window 8
+RC = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512, token_buckets=(8, 64))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return dsv41.random_model(load_config(CONFIG), seed=1)
+
+
+@pytest.fixture(scope="module")
+def exact(model):
+    r = Runner(model, RuntimeConfig(**RC, swa_bounded_replay=False), progress=False)
+    r.precompile()
+    return r
+
+
+@pytest.fixture(scope="module")
+def bounded(model):
+    r = Runner(model, RuntimeConfig(**RC, swa_bounded_replay=True), progress=False)
+    r.precompile()
+    return r
+
+
+def _prompt(seed, n):
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 250, n)]
+
+
+def test_layout_of_a_v4_cache(model, exact):
+    c = model.config
+    assert [r.attn_kind for r in c.roles] == ["swa", "csa", "hca", "csa"] and c.roles[0].hash_routed
+    assert exact.layout.block_size == 128  # the default: whole ratio-128 rows per block
+    sh = exact.layout.shapes()
+    assert sorted(sh["rows"]) == [1, 2, 3] and sorted(sh["keys"]) == [1, 3] and not sh["tail"]
+    assert sh["pool"][1].shape == (4, 8, 2, 2 * c.head_dim) and sh["pool"][2].shape == (4, 128, 2, c.head_dim)
+    assert sh["index_pool"][3].shape == (4, 8, 2, 2 * c.index_head_dim) and 2 not in sh["index_pool"]
+
+
+@pytest.mark.parametrize("chunks", [[64, 64, 64, 64, 44], [7] * 43, [1] * 9 + [64] * 4 + [35], [13] * 23 + [1]])
+def test_replay_off_any_chunking_equals_full_forward(model, exact, chunks):
+    """300 tokens: two HCA windows close (at 127 and 255), CSA windows straddle every chunk boundary, decode
+    rows close windows one token at a time."""
+    d = Driver(exact)
+    d.start("a", _prompt(0, 300))
+    got = _run(d, "a", chunks, decode=3)
+    assert _max_err(got, model.logits(np.array(d.reqs["a"].tokens))) <= TOL
+
+
+def test_batched_requests_equal_full_forward(model, exact):
+    d = Driver(exact)
+    prompts = {"a": _prompt(1, 140), "b": _prompt(2, 37), "c": _prompt(3, 129)}
+    for rid, p in prompts.items():
+        d.start(rid, p)
+    got = {rid: {} for rid in prompts}
+    while any(d.reqs[rid].computed < len(p) for rid, p in prompts.items()):
+        work = {rid: 21 for rid, p in prompts.items() if d.reqs[rid].computed < len(p)}
+        for rid, out in d.step(work).items():
+            got[rid][d.reqs[rid].computed - 1] = out
+    for rid in prompts:
+        assert _max_err(got[rid], model.logits(np.array(d.reqs[rid].tokens))) <= TOL, rid
+
+
+def test_replay_off_prefix_hit_equals_cold_run(model, exact):
+    d = Driver(exact)
+    first = _prompt(4, 270)
+    d.start("a", first)
+    _run(d, "a", [64] * 5)
+    d.finish("a")
+    second = first[:256] + _prompt(5, 40)
+    plan = d.start("b", second)
+    assert plan.hit_tokens == 256 and plan.replay_start == 256 - 4 * 7  # exact halo L * (W - 1)
+    got = _run(d, "b", [64, 4], decode=2)
+    assert _max_err(got, model.logits(np.array(d.reqs["b"].tokens)), rows=range(256, 400)) <= TOL
+
+
+def test_replay_on_prefix_hit_equals_bounded_reference(model, bounded):
+    """Nothing is trimmed (V4 has no CED cut); the hit's rows are kept, the replayed window refills the rings."""
+    d = Driver(bounded)
+    first = _prompt(6, 300)
+    d.start("a", first)
+    _run(d, "a", [64] * 5)
+    d.finish("a")
+    second = first[:256] + _prompt(7, 50)
+    plan = d.start("b", second)
+    assert (plan.hit_tokens, plan.replay_start, plan.write_floor) == (256, 248, 256)
+    hit_blocks = d.bm.block_table("b")[:2]
+    before = {g: {s: np.asarray(a)[hit_blocks].copy() for s, a in bounded.cache[g].items()} for g in ("rows", "keys")}
+    got = _run(d, "b", [9, 40, 9], decode=2)
+    for g in before:
+        for s, a in before[g].items():
+            assert np.asarray(bounded.cache[g][s])[hit_blocks].tobytes() == a.tobytes(), (g, s)
+    r = d.reqs["b"]
+    ref = bounded_logits(model, np.array(r.tokens), chunks=r.schedule, hit_tokens=256, replay_start=248,
+                         decoder_replay=False)
+    assert _max_err(got, ref) <= TOL
+    cold = model.logits(np.array(r.tokens))
+    assert _max_err(got, cold, rows=range(300, 310)) > 1e-3  # the bounded replay is approximate: the test can fail
+
+
+def test_background_compile_serves_padded_until_its_bucket_is_ready(model):
+    """precompile(background=True) returns once the largest buckets are compiled: a 3-token step runs padded to
+    them, then on its own bucket once the background thread is done - the same logits either way."""
+    r = Runner(model, RuntimeConfig(**RC, swa_bounded_replay=False), progress=False)
+    r.precompile(background=True)
+    assert set(r.essential_keys()) <= set(r.compiled_keys) and r.essential_keys()[0] == ("seg1", 64)
+    d = Driver(r)
+    d.start("a", _prompt(8, 6))
+    early = d.step({"a": 3})["a"]  # whichever compiled bucket >= 3 is ready now (64 at the latest)
+    r._background.join()
+    assert r.background_done and set(r.compiled_keys) == set(r.bucket_keys())
+    assert r._bucket("seg1", 3, r.buckets.tokens) == 8
+    late = d.step({"a": 3})["a"]
+    ref = model.logits(np.array(d.reqs["a"].tokens))
+    assert max(float(np.abs(early - ref[2]).max()), float(np.abs(late - ref[5]).max())) <= TOL
