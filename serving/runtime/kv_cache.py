@@ -1,4 +1,5 @@
-"""The hybrid KV cache of V4.1 (spec §3.2) as a pytree of device arrays, sized from a memory budget.
+"""The hybrid KV cache of V4.1 (spec §3.2), and of V4-Flash, as a pytree of device arrays, sized from a memory
+budget.
 
 Groups:
   rows[s]  global (compressed) KV of KV source s, paged: [num_blocks, block_size / ratio, d]

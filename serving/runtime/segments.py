@@ -7,7 +7,8 @@ segment 2  the kept rows (all of them with replay off; each prefill's last `wind
            attention, its SWA ring write - and layers cut+1 .. L-1, then the logits of each request's
            last row, and (under a cond, when a chunk asks) every kept row's next-token logprobs. Its
            shapes are its own row buckets, so trimming costs no recompilation.
-Decode steps run through the same two functions with every row kept.
+Decode steps run through the same two functions with every row kept. A V4 model (no CED cut) splits at its last
+layer (`split_layer`) and keeps every row.
 
 With speculative decoding (a layout with draft stages) segment 2 also writes each DSpark stage's context rows of
 its kept rows (serving.runtime.draft) and returns the logits of each request's last J rows - a verification
