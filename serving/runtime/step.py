@@ -101,7 +101,8 @@ class SegmentCarry:
     ids_T: jax.Array
     pos_T: jax.Array
     req_T: jax.Array
-    topk: dict[int, jax.Array]  # index source layer id -> its top-k row ids [T, index_topk] (the candidate
-    #                             source lies at or after the cut, so no candidate blocks cross it)
+    topk: dict[int, jax.Array]  # index source layer id -> its top-k row ids [T, index_topk], for the sources before
+    #                             the cut that a layer of segment 2 reads (the candidate source lies at or after the
+    #                             cut, so no candidate blocks cross it)
     tails: dict[int, jax.Array]  # speculative decoding: ratio-2 source -> every row's raw [kv, gate] [T, 2, d]
     #                              (serving.runtime.rollback restores a tail from it); empty otherwise
