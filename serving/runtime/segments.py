@@ -92,8 +92,8 @@ class _Layers:
             rows_cache = cache["rows"][role.kv_source]
         elif role.attn_kind != "swa":  # V4.1's compressed layers, V4's CSA
             if role.is_index_source:
-                qi, wi = attn.indexer.queries(x_TD, qr, cos, sin, self.fake_quant)
-                ids, cand = global_kv.select_rows(layout, block, qi, wi, at.pos_T, at.req_T, at.tiles, req,
+                queries = lambda: attn.indexer.queries(x_TD, qr, cos, sin, self.fake_quant)  # noqa: E731
+                ids, cand = global_kv.select_rows(layout, block, queries, at.pos_T, at.req_T, at.tiles, req,
                                                   self.index_blocks_2, cache["keys"][role.kv_source], self.candidates)
                 self.topk[role.layer_id] = ids
                 if role.is_candidate_source:

@@ -75,3 +75,12 @@ class Driver:
         r = self.reqs.pop(rid)
         self.bms[r.rank].free(rid)
         self.free_slots[r.rank].append(r.slot)
+
+
+def compiled_runner(model, **runtime) -> Runner:
+    """A Runner of `model` with every bucket precompiled (the runtime tests' module fixtures)."""
+    from serving.runtime.config import RuntimeConfig
+
+    r = Runner(model, RuntimeConfig(**runtime), progress=False)
+    r.precompile()
+    return r

@@ -9,7 +9,7 @@ import dsv41
 from dsv41.bounded import bounded_logits
 from serving.runtime.config import RuntimeConfig
 from serving.runtime.runner import CompileInServingLoop, Runner
-from tests.serving.driver import Driver
+from tests.serving.driver import Driver, compiled_runner
 
 TOL = 1e-5
 RC = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256, block_size=8, token_buckets=(8, 16, 24, 32))
@@ -22,20 +22,16 @@ def model():
 
 @pytest.fixture(scope="module")
 def exact(model):
-    r = Runner(model, RuntimeConfig(**RC, swa_bounded_replay=False), progress=False)
-    r.precompile()
-    return r
+    return compiled_runner(model, **RC, swa_bounded_replay=False)
 
 
 @pytest.fixture(scope="module")
 def bounded(model):
-    r = Runner(model, RuntimeConfig(**RC, swa_bounded_replay=True), progress=False)
-    r.precompile()
-    return r
+    return compiled_runner(model, **RC, swa_bounded_replay=True)
 
 
-def _prompt(seed, n):
-    return [int(t) for t in np.random.default_rng(seed).integers(3, 512, n)]
+def _prompt(seed, n, high=512):
+    return [int(t) for t in np.random.default_rng(seed).integers(3, high, n)]
 
 
 def _run(driver, rid, chunk_sizes, decode=0):

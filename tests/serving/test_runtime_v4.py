@@ -11,8 +11,9 @@ from dsv41.bounded import bounded_logits
 from dsv41.config import load_config
 from serving.runtime.config import RuntimeConfig
 from serving.runtime.runner import Runner
-from tests.serving.driver import Driver
+from tests.serving.driver import Driver, compiled_runner
 from tests.serving.test_runtime import TOL, _max_err, _run
+from tests.serving.test_runtime import _prompt as runtime_prompt
 
 CONFIG = "tests/fixtures/oracle/v4_tiny/config.json"  # 4 layers: SWA (hash-routed), CSA, HCA, CSA; window 8
 RC = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512, token_buckets=(8, 64))
@@ -25,20 +26,27 @@ def model():
 
 @pytest.fixture(scope="module")
 def exact(model):
-    r = Runner(model, RuntimeConfig(**RC, swa_bounded_replay=False), progress=False)
-    r.precompile()
-    return r
+    return compiled_runner(model, **RC, swa_bounded_replay=False)
 
 
 @pytest.fixture(scope="module")
 def bounded(model):
-    r = Runner(model, RuntimeConfig(**RC, swa_bounded_replay=True), progress=False)
-    r.precompile()
-    return r
+    return compiled_runner(model, **RC, swa_bounded_replay=True)
 
 
 def _prompt(seed, n):
-    return [int(t) for t in np.random.default_rng(seed).integers(3, 250, n)]
+    return runtime_prompt(seed, n, high=250)  # the tiny V4 vocabulary has 256 ids
+
+
+def _hit(d: Driver, seed: int, first_len: int, tail_len: int):
+    """Prefill and release a request of first_len tokens, then start "b" = its first 256 tokens + tail_len new
+    ones: (the plan of b's prefix hit, b's prompt)."""
+    first = _prompt(seed, first_len)
+    d.start("a", first)
+    _run(d, "a", [64] * 5)
+    d.finish("a")
+    second = first[:256] + _prompt(seed + 1, tail_len)
+    return d.start("b", second), second
 
 
 def test_layout_of_a_v4_cache(model, exact):
@@ -77,12 +85,7 @@ def test_batched_requests_equal_full_forward(model, exact):
 
 def test_replay_off_prefix_hit_equals_cold_run(model, exact):
     d = Driver(exact)
-    first = _prompt(4, 270)
-    d.start("a", first)
-    _run(d, "a", [64] * 5)
-    d.finish("a")
-    second = first[:256] + _prompt(5, 40)
-    plan = d.start("b", second)
+    plan, _ = _hit(d, 4, 270, 40)
     assert plan.hit_tokens == 256 and plan.replay_start == 256 - 4 * 7  # exact halo L * (W - 1)
     got = _run(d, "b", [64, 4], decode=2)
     assert _max_err(got, model.logits(np.array(d.reqs["b"].tokens)), rows=range(256, 400)) <= TOL
@@ -91,12 +94,7 @@ def test_replay_off_prefix_hit_equals_cold_run(model, exact):
 def test_replay_on_prefix_hit_equals_bounded_reference(model, bounded):
     """Nothing is trimmed (V4 has no CED cut); the hit's rows are kept, the replayed window refills the rings."""
     d = Driver(bounded)
-    first = _prompt(6, 300)
-    d.start("a", first)
-    _run(d, "a", [64] * 5)
-    d.finish("a")
-    second = first[:256] + _prompt(7, 50)
-    plan = d.start("b", second)
+    plan, _ = _hit(d, 6, 300, 50)
     assert (plan.hit_tokens, plan.replay_start, plan.write_floor) == (256, 248, 256)
     hit_blocks = d.bm.block_table("b")[:2]
     before = {g: {s: np.asarray(a)[hit_blocks].copy() for s, a in bounded.cache[g].items()} for g in ("rows", "keys")}
