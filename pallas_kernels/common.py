@@ -34,6 +34,17 @@ def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array, *, inverse: bool = Fals
     return x * cos + pair_swap(x) * (-sin if inverse else sin)
 
 
+def rotate_tail(x: jax.Array, cos_Tr: jax.Array, sin_Tr: jax.Array, *, inverse: bool = False) -> jax.Array:
+    """`rotate` with full-width angles, computed on the rotated channels only: x [T, ..., d], angles [T, d_r/2]
+    on x's last d_r channels; the leading d - d_r pass through unchanged (what the full-width 1 / 0 angles give)."""
+    half = cos_Tr.shape[-1]
+    lead = x.shape[-1] - 2 * half
+    expand = lambda a: jnp.repeat(a.astype(jnp.float32), 2, axis=-1).reshape(  # noqa: E731
+        a.shape[0], *(1,) * (x.ndim - 2), 2 * half)
+    tail = rotate(x[..., lead:], expand(cos_Tr), expand(sin_Tr), inverse=inverse)
+    return jnp.concatenate([x[..., :lead], tail.astype(x.dtype)], axis=-1)
+
+
 def pow2_ceil(x: jax.Array) -> jax.Array:
     """2**ceil(log2(x)) for positive normal float32 x, from the bits."""
     bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)

@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import records
-from pallas_kernels.common import FP8_OUT_BLOCK, fp8_block_cast, full_width_angles, rotate
+from pallas_kernels.common import FP8_OUT_BLOCK, fp8_block_cast, full_width_angles, rotate, rotate_tail
 from pallas_kernels.dispatch import interpret_default, resolve_impl
 from pallas_kernels.tiles import QueryTiles, map_tiles, plan_or_rows, scatter_rows, tile_rows
 
@@ -143,21 +143,18 @@ def reference(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, ro
 
 
 # ===================================================================================== xla
-def _finish(out_THd, cos, sin, out_fp8):
-    """Inverse RoPE (full-width angles [T, d]) and the optional FP8 cast."""
-    T, H, d = out_THd.shape
-    out = rotate(out_THd, cos[:, None], sin[:, None], inverse=True)
+def _finish(out_THd, cos_Tr, sin_Tr, out_fp8):
+    """Inverse RoPE and the optional FP8 cast."""
+    return _cast_out(rotate_tail(out_THd, cos_Tr, sin_Tr, inverse=True), out_fp8)
+
+
+def _cast_out(out, out_fp8):
+    """[T, H, d] float32, or with out_fp8 its FP8 blocks (e4m3 [T, H*d], scales [T, H*d/128])."""
+    T, H, d = out.shape
     if not out_fp8:
         return out
     q8, s = fp8_block_cast(out, min(FP8_OUT_BLOCK, d))
     return q8.reshape(T, H * d), s.reshape(T, -1)
-
-
-def ring_positions(start: jax.Array, window: int) -> jax.Array:
-    """Positions held by the ring slots [.., W] of a request whose next position is `start`: slot k holds
-    the latest position < start congruent to k mod W (negative = never written)."""
-    k = jnp.arange(window)
-    return start[..., None] - 1 - jnp.mod(start[..., None] - 1 - k, window)
 
 
 def _sink_softmax(logits: list[jax.Array], sink_H: jax.Array) -> tuple[list[jax.Array], jax.Array]:
@@ -171,9 +168,9 @@ def _sink_softmax(logits: list[jax.Array], sink_H: jax.Array) -> tuple[list[jax.
 
 def xla(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_NPx=None, topk_TK=None, *,
         out_fp8: bool = False):
-    """The CPU path, per query tile (`meta.tiles`): the tile's request ring [W] and its in-call rows from
-    W - 1 rows before the tile through its last [W - 1 + size] are decoded once and shared by the tile's
-    queries (two small GEMMs per tile). The top-k rows: when a request's table holds at most as many rows as
+    """The CPU path, per query tile (`meta.tiles`): the tile's window, the W - 1 positions before its first query
+    through its last [W - 1 + size] (from the call's rows, or from the ring below the request's start), is read
+    once and shared by the tile's queries (two small GEMMs per tile). The top-k rows: when a request's table holds at most as many rows as
     the tile's queries select together (size x k), the tile scans its request's blocks up to `meta.n_blocks`,
     each block decoded once for the whole tile and masked to each query's selection (online softmax across
     blocks: a dense GEMM per block instead of a gather of k rows per query, which costs memory bandwidth on a
@@ -184,8 +181,7 @@ def xla(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_NPx
     W = ring_SWx.shape[1]
     hi = jax.lax.Precision.HIGHEST
     scale = d ** -0.5
-    cos, sin = full_width_angles(cos_Tr, sin_Tr, d)
-    q_all = rotate(q_THd.astype(jnp.float32), cos[:, None], sin[:, None])
+    q_all = rotate_tail(q_THd.astype(jnp.float32), cos_Tr, sin_Tr)
     tiles = plan_or_rows(meta.tiles, meta.req_T)
     kv_row = _kv_rows(meta, T)
     n_kv = kv_Td.shape[0]
@@ -197,24 +193,26 @@ def xla(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_NPx
     def one_tile(i):
         rows, qok = tile_rows(tiles, i, T)
         r = tiles.req_N[i]
-        q, qpos = q_all[rows], meta.pos_T[rows]
-        # in-call rows: the W - 1 positions before the tile's first query through its last row
+        finish = lambda o: jnp.where(qok[:, None, None], o, 0.0)  # noqa: E731
+        # RoPE on the tile's rows (fused with their gather, not a pass over [T, H, d] of its own)
+        q = q_all[rows]
+        qpos = meta.pos_T[rows]
+        # the tile's window: positions from W - 1 before its first query through its last, each read from this
+        # call's rows (>= start) or from the ring (the W positions below start, at position mod W)
         first = tiles.first_N[i]
         u = jnp.arange(W - 1 + tiles.size) - (W - 1)
-        bkv = kv_Td[jnp.clip(kv_row[first] + u, 0, n_kv - 1)].astype(jnp.float32)
-        bpos = meta.pos_T[first] + u
-        rkv = records.decode_rows("fp8", ring_SWx[meta.slot_R[r]], d)
-        rpos = ring_positions(meta.start_R[r], W)
-        keys = jnp.concatenate([rkv, bkv])
-        kpos = jnp.concatenate([rpos, bpos])
-        kok = jnp.concatenate([rpos >= 0, bpos >= meta.start_R[r]]) & (kpos >= meta.floor_R[r])
-        vis = kok[None] & (kpos[None] <= qpos[:, None]) & (kpos[None] > qpos[:, None] - W)  # [size, K]
+        kpos = meta.pos_T[first] + u
+        own = kv_Td[jnp.clip(kv_row[first] + u, 0, n_kv - 1)].astype(jnp.float32)
+        ring = records.decode_rows("fp8", ring_SWx[meta.slot_R[r], jnp.mod(kpos, W)], d)
+        keys = jnp.where((kpos >= meta.start_R[r])[:, None], own, ring)
+        kok = (kpos >= 0) & (kpos >= meta.floor_R[r])
+        vis = kok[None] & (kpos[None] <= qpos[:, None]) & (kpos[None] > qpos[:, None] - W)  # [size, W - 1 + size]
         logits = [jnp.where(vis[:, None], jnp.einsum("uhd,kd->uhk", q, keys, precision=hi) * scale, -jnp.inf)]
         values = [keys]
         if topk_TK is not None and dense_rows:
             out, denom = _blocks_softmax(q * scale, logits[0], keys, sink_H, rows_NPx, topk_TK[rows],
                                          meta.block_table_RM[r], n_blocks, d)
-            return jnp.where(qok[:, None, None], out / denom, 0.0)
+            return finish(out / denom)
         if topk_TK is not None:
             idx = topk_TK[rows]  # [size, k]
             rpb, M = rows_NPx.shape[1], meta.block_table_RM.shape[1]
@@ -227,10 +225,10 @@ def xla(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_NPx
         out = jnp.einsum("uhk,kd->uhd", probs[0], values[0], precision=hi)
         if len(probs) > 1:
             out = out + jnp.einsum("uhk,ukd->uhd", probs[1], values[1], precision=hi)
-        return jnp.where(qok[:, None, None], out / denom, 0.0)
+        return finish(out / denom)
 
     out = scatter_rows(map_tiles(one_tile, tiles), tiles, T, 0.0)  # [T, H, d]
-    return _finish(out, cos, sin, out_fp8)
+    return _finish(out, cos_Tr, sin_Tr, out_fp8)
 
 
 def _blocks_softmax(q_uhd, swa_logits_uhk, swa_keys_kd, sink_H, rows_NPx, idx_uk, table_M, n_blocks, d):
@@ -400,7 +398,7 @@ def pallas(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_
     mx = jnp.max(m, axis=1, keepdims=True)
     w = jnp.exp(m - mx)
     out = jnp.sum(w[..., None] * acc, axis=1) / jnp.sum(w * l, axis=1)[..., None]
-    return _finish(out, cos, sin, out_fp8)
+    return _finish(out, cos_Tr, sin_Tr, out_fp8)
 
 
 # ================================================================================ dispatch

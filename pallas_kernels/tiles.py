@@ -32,8 +32,9 @@ class QueryTiles:
 
 
 def max_tiles(rows: int, requests: int, size: int) -> int:
-    """Most tiles `rows` query rows of up to `requests` requests can need."""
-    return -(-rows // size) + min(rows, requests)
+    """Most tiles `rows` query rows of up to `requests` requests can need: a request of q rows needs
+    ceil(q / size) <= (q + size - 1) / size of them."""
+    return (rows + min(rows, requests) * (size - 1)) // size
 
 
 def plan_tiles(first_R: np.ndarray, qlen_R: np.ndarray, size: int, n_tiles: int) -> QueryTiles:

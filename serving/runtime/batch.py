@@ -71,8 +71,13 @@ class Buckets:
                 return b
         raise ValueError(f"{n} tokens exceed the largest token bucket {self.tokens[-1]}")
 
+    def tile_size(self, tokens: int) -> int:
+        """Query rows per tile in a `tokens`-row bucket: 1 where a decode batch fits (a decode row is its request's
+        only row: a wider tile would be padding), else `tile`."""
+        return 1 if tokens <= self.max_num_seqs else self.tile
+
     def tiles(self, tokens: int) -> int:
-        return max_tiles(tokens, self.max_num_seqs, self.tile)
+        return max_tiles(tokens, self.max_num_seqs, self.tile_size(tokens))
 
 
 def token_ladder(max_tokens: int, window: int, smallest: int = 1) -> tuple[int, ...]:
@@ -154,12 +159,12 @@ def build_step(chunks: Sequence[SeqChunk], buckets: Buckets, *, max_blocks: int,
             h = np.concatenate(hashes)
             engram[: len(h)] = h
     n = len(chunks)
-    rows = Rows(ids, pos, req, valid, first, qlen, plan_tiles(first[:n], qlen[:n], buckets.tile, buckets.tiles(T)),
+    rows = Rows(ids, pos, req, valid, first, qlen, plan_tiles(first[:n], qlen[:n], buckets.tile_size(T), buckets.tiles(T)),
                 engram)
     K = kept_bucket or buckets.token_bucket(len(kept_idx))
     pad = K - len(kept_idx)
     kept = KeptRows(np.array(kept_idx + [0] * pad, np.int32), np.arange(K) < len(kept_idx), kept_first, kept_qlen,
-                    logit_row, plan_tiles(kept_first[:n], kept_qlen[:n], buckets.tile, buckets.tiles(K)),
+                    logit_row, plan_tiles(kept_first[:n], kept_qlen[:n], buckets.tile_size(K), buckets.tiles(K)),
                     np.array(next_ids + [-1] * pad, np.int32))
     # trip counts of the dense indexer loop: the blocks of the step's longest context, per compress ratio
     longest = max((ch.end for ch in chunks), default=0)

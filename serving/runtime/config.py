@@ -30,7 +30,8 @@ class RuntimeConfig:
         "help": "after a prefix hit, replay only the last window (vLLM's mode; not bit-identical to a cold run); "
                 "off: recompute the exact halo"})
     tile: int = field(default=8, metadata={"help": "query rows per tile of the attention and indexer XLA paths (one "
-                                                   "request's consecutive rows share its cache reads)"})
+                                                   "request's consecutive rows share its cache reads); steps of at "
+                                                   "most max_num_seqs rows tile each row alone"})
     fake_quant: bool = field(default=False, metadata={
         "help": "apply the reference's FP8 / FP4 activation fake-quant (as the release inference code)"})
     max_top_k: int = field(default=256, metadata={

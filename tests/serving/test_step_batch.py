@@ -68,6 +68,15 @@ def test_tiles_cover_each_request_row_once(chunks):
         assert (covered[:n] == 1).all() and not covered[n:].any()
 
 
+def test_decode_buckets_tile_each_row_alone():
+    """A bucket a decode batch fits (<= max_num_seqs rows) tiles each row alone: no padding rows in the tiles."""
+    buckets = Buckets((4, 8), max_num_seqs=4, tile=TILE)
+    chunks = [SeqChunk(slot=r, block_table=[r], token_ids=_tokens(5, r), start=4, end=5) for r in range(3)]
+    t = build_step(chunks, buckets, max_blocks=8, window=W, block_size=BS).rows.tiles
+    assert t.size == 1 and t.count == 4 and list(t.n_N) == [1, 1, 1, 0] and list(t.first_N[:3]) == [0, 1, 2]
+    assert build_step(chunks, buckets, max_blocks=8, window=W, block_size=BS, token_bucket=8).rows.tiles.size == TILE
+
+
 def test_prompt_logprob_targets_and_trip_counts(chunks):
     a, b, c = chunks
     s = _step(chunks)
