@@ -144,13 +144,9 @@ def reference(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, ro
 
 # ===================================================================================== xla
 def _finish(out_THd, cos_Tr, sin_Tr, out_fp8):
-    """Inverse RoPE and the optional FP8 cast."""
-    return _cast_out(rotate_tail(out_THd, cos_Tr, sin_Tr, inverse=True), out_fp8)
-
-
-def _cast_out(out, out_fp8):
-    """[T, H, d] float32, or with out_fp8 its FP8 blocks (e4m3 [T, H*d], scales [T, H*d/128])."""
-    T, H, d = out.shape
+    """Inverse RoPE and the optional FP8 cast (e4m3 [T, H*d], scales [T, H*d/128])."""
+    T, H, d = out_THd.shape
+    out = rotate_tail(out_THd, cos_Tr, sin_Tr, inverse=True)
     if not out_fp8:
         return out
     q8, s = fp8_block_cast(out, min(FP8_OUT_BLOCK, d))
@@ -170,12 +166,12 @@ def xla(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_NPx
         out_fp8: bool = False):
     """The CPU path, per query tile (`meta.tiles`): the tile's window, the W - 1 positions before its first query
     through its last [W - 1 + size] (from the call's rows, or from the ring below the request's start), is read
-    once and shared by the tile's queries (two small GEMMs per tile). The top-k rows: when a request's table holds at most as many rows as
-    the tile's queries select together (size x k), the tile scans its request's blocks up to `meta.n_blocks`,
-    each block decoded once for the whole tile and masked to each query's selection (online softmax across
-    blocks: a dense GEMM per block instead of a gather of k rows per query, which costs memory bandwidth on a
-    CPU); otherwise each query gathers its own k rows. Tiles run in vectorised groups under lax.map, so the
-    gathered keys stay bounded."""
+    once and shared by the tile's queries (two small GEMMs per tile). The top-k rows: when a request's table
+    holds at most as many rows as the tile's queries select together (size x k), the tile scans its request's
+    blocks up to `meta.n_blocks`, each block decoded once for the whole tile and masked to each query's selection
+    (online softmax across blocks: a dense GEMM per block instead of a gather of k rows per query, which costs
+    memory bandwidth on a CPU); otherwise each query gathers its own k rows. Tiles run in vectorised groups under
+    lax.map, so the gathered keys stay bounded."""
     _check(q_THd, cos_Tr, kv_Td, ring_SWx, meta, rows_NPx, topk_TK)
     T, H, d = q_THd.shape
     W = ring_SWx.shape[1]
@@ -193,10 +189,7 @@ def xla(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_NPx
     def one_tile(i):
         rows, qok = tile_rows(tiles, i, T)
         r = tiles.req_N[i]
-        finish = lambda o: jnp.where(qok[:, None, None], o, 0.0)  # noqa: E731
-        # RoPE on the tile's rows (fused with their gather, not a pass over [T, H, d] of its own)
-        q = q_all[rows]
-        qpos = meta.pos_T[rows]
+        q, qpos = q_all[rows], meta.pos_T[rows]
         # the tile's window: positions from W - 1 before its first query through its last, each read from this
         # call's rows (>= start) or from the ring (the W positions below start, at position mod W)
         first = tiles.first_N[i]
@@ -212,7 +205,7 @@ def xla(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_NPx
         if topk_TK is not None and dense_rows:
             out, denom = _blocks_softmax(q * scale, logits[0], keys, sink_H, rows_NPx, topk_TK[rows],
                                          meta.block_table_RM[r], n_blocks, d)
-            return finish(out / denom)
+            return jnp.where(qok[:, None, None], out / denom, 0.0)
         if topk_TK is not None:
             idx = topk_TK[rows]  # [size, k]
             rpb, M = rows_NPx.shape[1], meta.block_table_RM.shape[1]
@@ -225,7 +218,7 @@ def xla(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_NPx
         out = jnp.einsum("uhk,kd->uhd", probs[0], values[0], precision=hi)
         if len(probs) > 1:
             out = out + jnp.einsum("uhk,ukd->uhd", probs[1], values[1], precision=hi)
-        return finish(out / denom)
+        return jnp.where(qok[:, None, None], out / denom, 0.0)
 
     out = scatter_rows(map_tiles(one_tile, tiles), tiles, T, 0.0)  # [T, H, d]
     return _finish(out, cos_Tr, sin_Tr, out_fp8)

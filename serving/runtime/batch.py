@@ -159,13 +159,13 @@ def build_step(chunks: Sequence[SeqChunk], buckets: Buckets, *, max_blocks: int,
             h = np.concatenate(hashes)
             engram[: len(h)] = h
     n = len(chunks)
-    rows = Rows(ids, pos, req, valid, first, qlen, plan_tiles(first[:n], qlen[:n], buckets.tile_size(T), buckets.tiles(T)),
-                engram)
+    query_tiles = plan_tiles(first[:n], qlen[:n], buckets.tile_size(T), buckets.tiles(T))
+    rows = Rows(ids, pos, req, valid, first, qlen, query_tiles, engram)
     K = kept_bucket or buckets.token_bucket(len(kept_idx))
     pad = K - len(kept_idx)
+    kept_tiles = plan_tiles(kept_first[:n], kept_qlen[:n], buckets.tile_size(K), buckets.tiles(K))
     kept = KeptRows(np.array(kept_idx + [0] * pad, np.int32), np.arange(K) < len(kept_idx), kept_first, kept_qlen,
-                    logit_row, plan_tiles(kept_first[:n], kept_qlen[:n], buckets.tile_size(K), buckets.tiles(K)),
-                    np.array(next_ids + [-1] * pad, np.int32))
+                    logit_row, kept_tiles, np.array(next_ids + [-1] * pad, np.int32))
     # trip counts of the dense indexer loop: the blocks of the step's longest context, per compress ratio
     longest = max((ch.end for ch in chunks), default=0)
     index_blocks = np.array([-(-(longest // r) // max(block_size // r, 1)) for r in INDEX_RATIOS], np.int32)
