@@ -40,7 +40,8 @@ def pytest_addoption(parser):
     parser.addoption("--kernel-seed", type=int, default=None,
                      help="seed of the kernel tests' random inputs (default 0; failures name the seed they ran)")
     parser.addoption("--full-size-lowering", action="store_true",
-                     help="also lower v41-flash's serving steps on an abstract mesh (minutes; nothing allocated)")
+                     help="also lower v41-flash's serving steps on an abstract mesh and compile tiny's on a CPU "
+                          "device (minutes; nothing allocated)")
 
 
 def pytest_configure(config):

@@ -40,7 +40,7 @@ from serving.runtime.config import RuntimeConfig
 from serving.runtime.runner import Runner
 from sharding import rules
 from sharding.expert_dispatch import ExpertDispatch
-from sharding.mesh import ParallelConfig
+from sharding.mesh import ParallelConfig, make_mesh
 from sharding.model import decode_unsplittable_experts, install_dispatch
 from sharding.runtime import MeshPlacement
 
@@ -155,12 +155,14 @@ def stablehlo_collectives(text: str) -> dict[str, dict[str, int]]:
 
 
 def build_runner(preset: str, pc: ParallelConfig, *, weights: str = "release", prefill_tokens: int = 8192,
-                 decode_batch: int = 64, max_model_len: int = 131072, block_size: int = 256) -> Runner:
-    """A Runner over abstract parameters, cache and carry on the layout's abstract mesh (per dp rank:
-    decode_batch slots, buckets (decode_batch, prefill_tokens))."""
+                 decode_batch: int = 64, max_model_len: int = 131072, block_size: int = 256,
+                 mesh=None) -> Runner:
+    """A Runner over abstract parameters, cache and carry on the layout's abstract mesh, or on `mesh` (a
+    concrete one, to compile: still nothing allocated) (per dp rank: decode_batch slots, buckets
+    (decode_batch, prefill_tokens))."""
     c = load_config(preset)
     pc.check_model(c)
-    mesh = abstract_mesh(pc)
+    mesh = abstract_mesh(pc) if mesh is None else mesh
     rc = RuntimeConfig(max_num_seqs=decode_batch, max_num_batched_tokens=prefill_tokens, max_model_len=max_model_len,
                        block_size=block_size, kv_cache_dtype="release", kernel_impl="xla",
                        token_buckets=tuple(sorted({decode_batch, prefill_tokens})))
@@ -178,10 +180,22 @@ def lower_bucket(runner: Runner, segment: str, tokens: int, platform: str = "cud
 
 
 def report(preset: str, pc: ParallelConfig, *, weights: str = "release", prefill_tokens: int = 8192,
-           decode_batch: int = 64, platform: str = "cuda") -> dict:
-    """Lowering wall time and explicit collectives of a prefill bucket and a decode step (both segments)."""
+           decode_batch: int = 64, platform: str = "cuda", compile: bool = False) -> dict:
+    """Lowering wall time and explicit collectives of a prefill bucket and a decode step (both segments).
+
+    `compile=True`: lowered for this host's CPU devices instead (`pc.world_size` of them: `--num-cpu-devices`)
+    and compiled by XLA:CPU, whose wall time per segment (`compile_s`) estimates what a bucket of the full-size
+    program costs to compile - the same program (layers unrolled, per-rank shard_map bodies), another backend:
+    XLA:GPU's passes and kernel emission differ, so it is an order of magnitude, not a GPU figure."""
+    mesh = None
+    if compile:
+        if jax.device_count() < pc.world_size:
+            raise ValueError(f"compile: {pc.world_size} devices needed, {jax.device_count()} available (on CPU: "
+                             f"--num-cpu-devices {pc.world_size})")
+        mesh, platform = make_mesh(pc), "cpu"
     t = time.perf_counter()
-    runner = build_runner(preset, pc, weights=weights, prefill_tokens=prefill_tokens, decode_batch=decode_batch)
+    runner = build_runner(preset, pc, weights=weights, prefill_tokens=prefill_tokens, decode_batch=decode_batch,
+                          mesh=mesh)
     out = {"preset": preset, "layout": pc.describe(), "weights": weights, "platform": platform,
            "runner_setup_s": round(time.perf_counter() - t, 1), "steps": {}}
     for name, tokens in (("decode", decode_batch), ("prefill", prefill_tokens)):
@@ -192,6 +206,10 @@ def report(preset: str, pc: ParallelConfig, *, weights: str = "release", prefill
             text = lowered.as_text()
             step["lower_s"] = round(step["lower_s"] + seconds, 1)
             step["stablehlo_chars"] += len(text)
+            if compile:
+                t = time.perf_counter()
+                lowered.compile()
+                step.setdefault("compile_s", {})[seg] = round(time.perf_counter() - t, 1)
             for op, v in stablehlo_collectives(text).items():
                 ops[op]["count"] += v["count"]
                 ops[op]["bytes"] += v["bytes"]

@@ -22,7 +22,8 @@ all-gather, reduce-scatter, all-to-all and collective-permute with its result sh
 segments. Compiling the full-size model on this CPU is too heavy, so that part runs on `--hlo-preset`
 (default small) with random weights; its per-token numbers scale with hidden size and layer count. The
 dispatch compiles with one capacity bucket (the worst case) so each collective is counted once.
-`--lower` lowers the full-size forward on an abstract mesh instead (`serving.bench.full_size_lowering`).
+`--lower` lowers the full-size forward on an abstract mesh instead (`serving.bench.full_size_lowering`);
+`--lower --compile` lowers it for `--num-cpu-devices` CPU devices and times XLA:CPU compiling each segment.
 """
 
 from __future__ import annotations
@@ -212,6 +213,9 @@ def main() -> None:
     ap.add_argument("--lower", action="store_true",
                     help="lower the full-size forward and decode step on an abstract mesh "
                          "(serving.bench.full_size_lowering)")
+    ap.add_argument("--compile", action="store_true",
+                    help="with --lower: lower for this host's CPU devices instead (--num-cpu-devices = world size) "
+                         "and compile each segment with XLA:CPU, timed - a full-size compile-time estimate")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     ap.add_argument("--hlo-preset", default="small", help="config compiled for the collective counts")
     ap.add_argument("--prefill-tokens", type=int, default=64)
@@ -232,11 +236,13 @@ def main() -> None:
         rows = memory_plan.plan(a.preset, reserve_fraction=a.reserve_fraction, **mem)
         print(memory_plan.markdown(rows, a.reserve_fraction))
         out = {"preset": a.preset, "reserve_fraction": a.reserve_fraction, "plan": rows}
+    elif a.compile and not a.lower:
+        ap.error("--compile goes with --lower")
     elif a.lower:
         from serving.bench import full_size_lowering
 
         out = full_size_lowering.report(a.preset, pc, weights=a.weights, prefill_tokens=a.prefill_tokens,
-                                        decode_batch=a.decode_batch)
+                                        decode_batch=a.decode_batch, compile=a.compile)
         print(json.dumps(out, indent=1))
     else:
         out = memory_report(a.preset, pc, dtype=a.dtype, max_model_len=a.max_model_len,

@@ -262,8 +262,13 @@ class Runner:
         """Compile every bucket (or `keys`); returns the seconds spent. `background`: compile only the essential
         keys now and the others (smallest first: decode steps gain most) in a daemon thread; until a step's own
         bucket is ready it runs padded to the smallest compiled one that fits (`background_done` tells when all
-        are). The serving loop itself still never compiles."""
-        keys = list(keys or self.bucket_keys())
+        are). The serving loop itself still never compiles. A key outside `bucket_keys()` is refused: no step
+        would ever run it."""
+        known = self.bucket_keys()
+        keys = list(keys or known)
+        if unused := [k for k in keys if k not in known]:
+            raise ValueError(f"bucket keys {unused} are not among this runner's bucket_keys() {known}: no step "
+                             "runs them")
         if background:
             now = [k for k in self.essential_keys() if k in keys]
             rest = sorted((k for k in keys if k not in now), key=lambda k: (k[1:] or (0,), k[0]))

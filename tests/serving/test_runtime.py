@@ -160,6 +160,9 @@ def test_unprecompiled_bucket_is_an_error(model):
     d.start("a", _prompt(12, 5))
     with pytest.raises(CompileInServingLoop, match="not precompiled"):
         d.step({"a": 5})
+    with pytest.raises(ValueError, match=r"\('seg1', 4\)\] are not among"):  # 4 is not a token bucket: never run
+        r.precompile([("seg1", 8), ("seg1", 4)])
+    assert r.compiled_keys == []  # refused before compiling anything
 
 
 def test_segments_compile_to_topk_without_sort(exact):

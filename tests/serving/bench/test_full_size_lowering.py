@@ -1,5 +1,6 @@
 """The serving steps lowered on an abstract mesh (nothing allocated): the StableHLO collective counter, tiny's
-DEP4 steps, and (with --full-size-lowering) v41-flash's TP4 steps in the release formats."""
+DEP4 steps, and (with --full-size-lowering) tiny's steps compiled on a CPU device (the compile-time estimate's
+path) and v41-flash's TP4 steps in the release formats."""
 
 import pytest
 
@@ -40,11 +41,23 @@ def test_tiny_dep4_steps_lower_on_an_abstract_mesh():
             > 0)
 
 
+@pytest.mark.skipif("not config.getoption('--full-size-lowering')", reason="needs --full-size-lowering (~40 s)")
+def test_tiny_steps_compile_on_cpu_devices():
+    """`compile=True`: the steps lowered for this host's CPU devices and compiled, each segment timed (one device:
+    the smallest program; a layout needs --num-cpu-devices of them, and says so)."""
+    r = report("tiny", ParallelConfig(), weights="release", prefill_tokens=16, decode_batch=4, compile=True)
+    assert r["platform"] == "cpu"
+    for step in r["steps"].values():
+        assert set(step["compile_s"]) == {"seg1", "seg2"} and all(s > 0 for s in step["compile_s"].values())
+    with pytest.raises(ValueError, match="16 devices needed"):
+        report("tiny", ParallelConfig(1, 16, True), prefill_tokens=16, decode_batch=4, compile=True)
+
+
 @pytest.mark.skipif("not config.getoption('--full-size-lowering')", reason="needs --full-size-lowering (~45 s)")
 def test_v41_flash_tp4_steps_lower():
     # measured 43 s on 2 busy cores (setup 6 s, decode 17 s, prefill 15 s), 0.6 GB resident
     r = report("v41-flash", ParallelConfig(4), prefill_tokens=8192, decode_batch=64)
     decode = r["steps"]["decode"]["explicit_collectives"]
     # TP4 without expert parallelism: the dispatch's all-to-alls are local, one partial-sum all-reduce over the
-    # 4 expert-TP ranks per MoE layer (40), on the worst-case capacity buffer [E=384, C=64, D=5120] float32
-    assert decode == {"all_reduce": {"count": 40, "bytes": 40 * 384 * 64 * 5120 * 4}}
+    # 4 expert-TP ranks per MoE layer (40), on the combined rows [64, 5120] float32 (not the capacity buffer)
+    assert decode == {"all_reduce": {"count": 40, "bytes": 40 * 64 * 5120 * 4}}
