@@ -141,10 +141,11 @@ def rows_per_tile(n_pairs: int, n_experts: int, lo: int, hi: int) -> int:
 
 
 def xla_tile(n_pairs: int, n_experts: int) -> int:
-    """The XLA path's rows per tile: the power of two at or above the mean rows per expert, within [8, 256] (most
-    experts' rows in one scan step; XLA:CPU's per-step cost outweighs the padding)."""
+    """The XLA path's rows per tile: the power of two at or above the mean rows per expert, within [2, 256] (most
+    experts' rows in one scan step; XLA:CPU's per-step cost outweighs the padding). Not 1: a one-row tile is a
+    matrix-vector product, which XLA:CPU sums in another order than the same rows in a wider tile."""
     per_expert = max(1, -(-n_pairs // n_experts))
-    return min(256, max(8, 1 << (per_expert - 1).bit_length()))
+    return min(256, max(2, 1 << (per_expert - 1).bit_length()))
 
 
 def xla(x_TD, ids_TK, weights_TK, w1, w3, w2, *, limit: float, out_dtype=jnp.float32, tile: int | None = None):
@@ -155,7 +156,7 @@ def xla(x_TD, ids_TK, weights_TK, w1, w3, w2, *, limit: float, out_dtype=jnp.flo
     to a power of two. Measured on the peer V4's MoE (64 MXFP4 experts of 128 x 512, top-6, float32, this CPU),
     ms per layer by tile: 128 tokens 30.1 / 17.5 / 23.3 at 8 / 16 / 32; 512 tokens 46.0 / 28.1 / 58.3 at
     32 / 64 / 128; 2,048 tokens 162.5 / 111.6 / 107.2 at 32 / 128 / 256 (the old rule, the power of two below the
-    mean capped at 32, picked 8, 32 and 32).
+    mean capped at 32, picked 8, 32 and 32); 8 tokens (a decode batch) 4.6 / 4.9 / 5.1-7.4 at 2 / 4 / 8.
     A step whose (token, choice) pairs' decoded weights fit GATHER_BYTES (a decode step of a few rows of a small
     model) gathers each pair's expert instead: three batched matrix-vector products rather than a scan whose
     steps cost more in overhead than in arithmetic. Measured on the peer V4's MoE (64 MXFP4 experts of

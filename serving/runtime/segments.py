@@ -176,7 +176,9 @@ def segment2(module, layout: CacheLayout, cache: dict, carry_buf: SegmentCarry, 
     choices = []
     with jax.named_scope(f"layer_{cut}"):  # the cut layer wrote every row's SWA KV: only replay_start floors it
         at = _RowView(carry.pos_T, carry.req_T, kept.valid_K, kept.tiles, req.kv_floor_R)
-        y, cache = layers.attend(block, carry.x_TD, at, cache, cut_kv=_CutKV(carry.kv_Td, carry_buf.kv_Td, kept.row_K))
+        with jax.named_scope("attn"):
+            y, cache = layers.attend(block, carry.x_TD, at, cache,
+                                     cut_kv=_CutKV(carry.kv_Td, carry_buf.kv_Td, kept.row_K))
         s, sel = ffn_and_output(block, c, carry.R_TnD, carry.mix, y, carry.ids_T)
         choices.append(sel)
     at = at._replace(floor_R=req.decoder_floor_R)
