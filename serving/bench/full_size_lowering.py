@@ -172,7 +172,7 @@ def build_runner(preset: str, pc: ParallelConfig, *, weights: str = "release", p
 def lower_bucket(runner: Runner, segment: str, tokens: int, platform: str = "cuda"):
     """(lowered, seconds) of one segment bucket (`segment` "seg1" or "seg2", `tokens` rows per dp rank)."""
     b = runner._example(tokens, tokens)
-    batch = runner._put(b.segment1() if segment == "seg1" else b.segment2())
+    batch = runner._put_step(b.segment1() if segment == "seg1" else b.segment2())
     t = time.perf_counter()
     lowered = runner._fns[segment].trace(runner.param_leaves, runner.cache, runner.carry_buf, batch).lower(
         lowering_platforms=(platform,))

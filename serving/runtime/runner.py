@@ -32,7 +32,7 @@ from dsv41.layers.moe import set_kernel_impl
 from serving.runtime import kv_cache, segments, spec_step
 from serving.runtime.config import RuntimeConfig
 from serving.runtime.batch import Buckets, SeqChunk, build_step, token_ladder
-from serving.runtime.step import KeptRows, StepBatch
+from serving.runtime.step import KeptRows, PackedBatch, StepBatch, unpacked
 from serving.runtime.decoder_replay import kept_rows
 from serving.runtime.encoder_replay import replay_length
 from serving.runtime.kv_cache import CacheLayout
@@ -142,11 +142,11 @@ class Runner:
 
         def seg1(leaves, cache, carry_buf, b):  # one rank's cache, carry and batch
             with jax.named_scope("segment1"):
-                return segments.segment1(merge(leaves), self.layout, cache, carry_buf, b, **kw)
+                return segments.segment1(merge(leaves), self.layout, cache, carry_buf, unpacked(b), **kw)
 
         def seg2(leaves, cache, carry_buf, b):
             with jax.named_scope("segment2"):
-                return segments.segment2(merge(leaves), self.layout, cache, carry_buf, b, **kw)
+                return segments.segment2(merge(leaves), self.layout, cache, carry_buf, unpacked(b), **kw)
 
         # Segment 1 leaves its rows in a persistent buffer of the largest bucket, which segment 2 reads: the
         # kept-row gather then lives in segment 2 and no function is compiled per (tokens, kept rows) pair.
@@ -310,10 +310,10 @@ class Runner:
         name = key[0]
         if name == "seg1":
             b1 = self._example(key[1], key[1]).segment1()
-            self._compile(key, "seg1", self._leaves, self.cache, self.carry_buf, self._put(b1))
+            self._compile(key, "seg1", self._leaves, self.cache, self.carry_buf, self._put_step(b1))
         elif name == "seg2":
             b2 = self._example(key[1], key[1]).segment2()
-            self._compile(key, "seg2", self._leaves, self.cache, self.carry_buf, self._put(b2))
+            self._compile(key, "seg2", self._leaves, self.cache, self.carry_buf, self._put_step(b2))
         elif name == "sample":
             R, V = self.ranks * self.rc.max_num_seqs, self.config.vocab_size
             p = sampling_arrays([], [], R, 0)
@@ -354,7 +354,7 @@ class Runner:
             raise ValueError(f"only segment buckets can be traced, got {key}")
         b = self._example(key[1], key[1])
         return jax.make_jaxpr(self._fns[name])(self._leaves, self.cache, self.carry_buf,
-                                               self._put(b.segment1() if name == "seg1" else b.segment2()))
+                                               self._put_step(b.segment1() if name == "seg1" else b.segment2()))
 
     @property
     def param_leaves(self) -> list[jax.Array]:
@@ -402,6 +402,13 @@ class Runner:
         """Host arrays onto the devices: rank-stacked batches split over the ranks (one device: as they are)."""
         return self.placement.put_batch(tree) if self.placement else tree
 
+    def _put_step(self, batch: StepBatch):
+        """A segment's batch as its compiled call takes it: on one device one packed array (`PackedBatch`: one
+        transfer, not ~17); on a mesh the arrays as they are, placed per rank (the packed form, sliced inside the
+        per-rank function, crashed XLA's SPMD partitioner: jaxlib 0.12.0.1, a dp=2 x tp=4 mesh,
+        `partition_group_list.num_replica_groups() * ...` check failure in spmd_partitioner_util.cc)."""
+        return self._put(batch) if self.placement else PackedBatch.pack(batch)
+
     def forward(self, chunks: Sequence[SeqChunk]) -> jax.Array:
         """Run one step; the logits [len(chunks), vocab] of each chunk's last row (device array)."""
         seg = self._segments(chunks)
@@ -413,11 +420,11 @@ class Runner:
             batch, rows, where = built or self._build(chunks)
         T, K = batch.rows.ids_T.shape[1], batch.kept.row_K.shape[1]
         with jax.profiler.TraceAnnotation("runner.segment1"):
-            self.cache, self.carry_buf, counts1 = self._exe_for(("seg1", T))(self._leaves, self.cache,
-                                                                             self.carry_buf, self._put(batch.segment1()))
+            self.cache, self.carry_buf, counts1 = self._exe_for(("seg1", T))(
+                self._leaves, self.cache, self.carry_buf, self._put_step(batch.segment1()))
         with jax.profiler.TraceAnnotation("runner.segment2"):
             self.cache, logits, prompt_lp, counts2 = self._exe_for(("seg2", K))(
-                self._leaves, self.cache, self.carry_buf, self._put(batch.segment2()))
+                self._leaves, self.cache, self.carry_buf, self._put_step(batch.segment2()))
         return _Segments(batch.kept, logits, prompt_lp, (counts1, counts2), rows, where)
 
     def step(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams | None],

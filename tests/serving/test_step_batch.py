@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from serving.runtime.batch import Buckets, SeqChunk, build_step
-from serving.runtime.step import StepBatch
+from serving.runtime.step import PackedBatch, StepBatch, unpacked
 
 W, BS, TILE = 8, 8, 4
 BUCKETS = Buckets((8, 16, 32, 64), max_num_seqs=4, tile=TILE)
@@ -112,3 +112,23 @@ def test_bad_chunks_are_refused(chunks):
         _step(chunks + chunks)
     with pytest.raises(ValueError, match="outside its"):
         _step([SeqChunk(slot=0, block_table=[0], token_ids=[1, 2], start=0, end=3)])
+
+
+def test_packed_batch_round_trips_in_one_int32_array(chunks):
+    """Two ranks' segment-1 batches packed into one [2, N] int32 array (a float array rides beside it): unpacked
+    on the host, and per rank inside a jitted function (the rank dimension dropped as the runner's wrappers do),
+    every array comes back with its values, shape and dtype."""
+    one = _step(chunks).segment1()
+    two = jax.tree.map(lambda a: np.stack([a, (a + 1).astype(a.dtype) if a.dtype != bool else ~a]), one)
+    tree = {"batch": two, "scale": np.arange(6, dtype=np.float32).reshape(2, 3)}
+    p = PackedBatch.pack(tree)
+    assert p.packed.dtype == np.int32 and p.packed.shape[0] == 2 and len(p.others) == 1
+    assert len(jax.tree.leaves(p)) == 2  # what a step transfers: two arrays, not one per field
+
+    def same(a, b):
+        assert np.asarray(a).dtype == np.asarray(b).dtype and np.array_equal(np.asarray(a), np.asarray(b))
+
+    jax.tree.map(same, unpacked(p), tree)
+    for r in range(2):
+        got = jax.jit(lambda q, r=r: unpacked(jax.tree.map(lambda a: a[r], q)))(p)
+        jax.tree.map(same, got, jax.tree.map(lambda a: a[r], tree))
