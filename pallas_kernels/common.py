@@ -39,8 +39,10 @@ def rotate_tail(x: jax.Array, cos_Tr: jax.Array, sin_Tr: jax.Array, *, inverse: 
     on x's last d_r channels; the leading d - d_r pass through unchanged (what the full-width 1 / 0 angles give)."""
     half = cos_Tr.shape[-1]
     lead = x.shape[-1] - 2 * half
-    expand = lambda a: jnp.repeat(a.astype(jnp.float32), 2, axis=-1).reshape(  # noqa: E731
-        a.shape[0], *(1,) * (x.ndim - 2), 2 * half)
+
+    def expand(a):  # [T, d_r/2] -> [T, 1.., d_r]: each angle on its channel pair, broadcast over x's middle axes
+        return jnp.repeat(a.astype(jnp.float32), 2, axis=-1).reshape(a.shape[0], *(1,) * (x.ndim - 2), 2 * half)
+
     tail = rotate(x[..., lead:], expand(cos_Tr), expand(sin_Tr), inverse=inverse)
     return jnp.concatenate([x[..., :lead], tail.astype(x.dtype)], axis=-1)
 
