@@ -11,9 +11,6 @@ trainer needs on top and what makes long sequences cheap:
   and the KV source's wk / k_norm) learns from KL(p_attn || softmax(S)), where p_attn is the layer's own
   attention over every visible global row, summed over heads. Its inputs are stop-gradient so this loss
   trains only the indexer, and the LM loss never reaches the indexer;
-* the mHC mixes are the modules' own (same parameters, same equations) with Sinkhorn run in a token-last
-  layout under `lax.fori_loop`: the [T, 4, 4] unrolled form costs thousands of tiny ops (and their
-  gradients), a quarter of a CPU step and most of the compile time;
 * each MoE layer reports its expert loads (for the aux-loss-free bias update: the router bias only
   selects, so no gradient reaches it) and DeepSeek's sequence-wise balance loss sum_i f_i P_i.
 
@@ -33,7 +30,7 @@ from dsv41.config import ModelConfig
 from dsv41.layers.attention import sink_softmax
 from dsv41.layers.basic import dense
 from dsv41.layers.indexer import causal_row_mask, select_candidate_blocks, select_topk
-from dsv41.layers.mhc import HcMix, HyperConnection, hc_collapse, hc_post
+from dsv41.layers.mhc import HcMix, hc_collapse, hc_post
 from dsv41.layers.moe import MoE, swiglu
 from dsv41.layers.rope import apply_rope, inv_freq, rope_angles
 from pallas_kernels.mhc import mhc_post_pre
@@ -179,40 +176,20 @@ def moe_ffn(moe: MoE, x_TD: jax.Array, ids_T: jax.Array, moe_compute: str) -> tu
     return y, MoeStats(loads, jnp.sum(sg(f) * P))
 
 
-def hc_mix(hc: HyperConnection, R_TnD: jax.Array) -> HcMix:
-    """`HyperConnection.__call__` with the Sinkhorn normalisation on a [n, n, T] layout in a fori_loop."""
-    n = hc.n
-    r = R_TnD.reshape(R_TnD.shape[0], -1).astype(jnp.float32)
-    m = jnp.einsum("tk,ck->tc", r, hc.fn[...]) * jax.lax.rsqrt(jnp.mean(r * r, axis=-1, keepdims=True) + hc.rms_eps)
-    base, scale = hc.base[...], hc.scale[...]
-    pre = jax.nn.sigmoid(m[:, :n] * scale[0] + base[:n]) + hc.hc_eps
-    post = jax.nn.sigmoid(m[:, n:2 * n] * scale[1] + base[n:2 * n]) * 2.0
-    logits = m[:, 2 * n:].reshape(-1, n, n) * scale[2] + base[2 * n:].reshape(n, n)
-    c = jnp.transpose(jax.nn.softmax(logits, axis=-1) + hc.hc_eps, (1, 2, 0))  # [i, j, T]
-    eps = hc.hc_eps
-    c = c / (jnp.sum(c, axis=0, keepdims=True) + eps)
-
-    def row_then_column(_, c):
-        c = c / (jnp.sum(c, axis=1, keepdims=True) + eps)
-        return c / (jnp.sum(c, axis=0, keepdims=True) + eps)
-
-    c = jax.lax.fori_loop(0, hc.sinkhorn_iters - 1, row_then_column, c)
-    return HcMix(pre, post, jnp.transpose(c, (2, 0, 1)))
-
-
 def attention_input(block: Block, c: ModelConfig, s: Streams, engram_hashes: jax.Array | None
                     ) -> tuple[jax.Array, HcMix, jax.Array]:
-    """`dsv41.block.attention_input` (V4.1) with `hc_mix`: (streams [T, n, D], attention mix, normed x)."""
+    """`dsv41.block.attention_input` (V4.1) with the differentiable XLA mHC: (streams [T, n, D], attention mix,
+    normed x)."""
     norm = block.attn_norm
     if s.pending is not None and block.engram is None:
         mix_ffn, y = s.pending
         R, x = mhc_post_pre(s.R, y, mix_ffn.post, mix_ffn.comb, s.pre, norm.weight[...], eps=norm.eps, impl="xla")
-        return R, hc_mix(block.hc_attn, R), x
+        return R, block.hc_attn(R), x
     R = s.R if s.pending is None else hc_post(s.R, *s.pending)
     if block.engram is not None:
         R = block.engram(R, engram_hashes[:, block.role.engram_index])
     u = R[:, 0] if s.pre is None else hc_collapse(R, s.pre)
-    return R, hc_mix(block.hc_attn, R), norm(u)
+    return R, block.hc_attn(R), norm(u)
 
 
 def train_blocks(blocks, c: ModelConfig, R_TnD: jax.Array, ids_T: jax.Array, attend: Callable, *,
@@ -232,7 +209,7 @@ def train_blocks(blocks, c: ModelConfig, R_TnD: jax.Array, ids_T: jax.Array, att
         y = attend(block, x)
         norm = block.ffn_norm
         R, x = mhc_post_pre(R, y, mix.post, mix.comb, mix.pre, norm.weight[...], eps=norm.eps, impl="xla")
-        mix = hc_mix(block.hc_ffn, R)
+        mix = block.hc_ffn(R)
         y, st = moe_ffn(block.ffn, x, ids_T, moe_compute)
         stats.append(st)
         s = Streams(R, mix.pre, (mix, y))

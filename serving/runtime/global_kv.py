@@ -72,7 +72,8 @@ def publish_source(layout: CacheLayout, block, x_TD: jax.Array, pos_T: jax.Array
             kv_cache.encode(layout, "keys", keys), mode="drop")}
     if r == 2:
         opens = valid_T & (pos_T == requests.end_R[req_T] - 1) & (pos_T % 2 == 0)
-        cache["tail"] = {**cache["tail"], s: cache["tail"][s].at[jnp.where(opens, slot, layout.num_slots)].set(
+        _, tails = kv_cache.after_reads(pooled, cache["tail"][s])
+        cache["tail"] = {**cache["tail"], s: tails.at[jnp.where(opens, slot, layout.num_slots)].set(
             jnp.stack([kv, gate], axis=1), mode="drop")}
         return cache, jnp.stack([kv, gate], axis=1).astype(jnp.float32)
     return cache, None

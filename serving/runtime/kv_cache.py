@@ -181,3 +181,10 @@ def decode(layout: CacheLayout, group: str, r: jax.Array) -> jax.Array:
     d = c.index_head_dim if group == "keys" else c.head_dim
     return {"swa": quant.decode_fp8_record, "rows": quant.decode_nvfp4_record,
             "keys": quant.decode_mxfp4_record}[group](r, d)
+
+
+def after_reads(read: jax.Array, buffer: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(read, buffer), the buffer ordered after `read` (what was computed from its old contents): a write into
+    the returned buffer then happens in place. Unordered, XLA keeps the old contents readable by copying the
+    whole buffer (twice on XLA:CPU: a layer's SWA ring, a V4 compressor ring) every step."""
+    return jax.lax.optimization_barrier((read, buffer))

@@ -32,7 +32,7 @@ from dsv41.layers.mhc import hc_collapse
 from dsv41.layers.rope import inv_freq, rope_angles
 from pallas_kernels.sparse_attention import AttnMeta
 from pallas_kernels.tiles import QueryTiles
-from serving.runtime import draft, global_kv
+from serving.runtime import draft, global_kv, kv_cache
 from serving.runtime.attention import sparse_attention, write_ring
 from serving.runtime.decoder_replay import gather_kept
 from serving.runtime.kv_cache import CacheLayout
@@ -107,8 +107,9 @@ class _Layers:
         o = sparse_attention(q, cos, sin, attn.attn_sink[...], kv_all, cache["swa"][role.layer_id], meta,
                              rows_cache=rows_cache, topk_Tk=topk, impl=block.kernel_impl)
         last_rows = at.valid_T & (at.pos_T >= req.end_R[at.req_T] - layout.window)
+        o, ring = kv_cache.after_reads(o, cache["swa"][role.layer_id])
         cache = {**cache, "swa": {**cache["swa"], role.layer_id: write_ring(
-            layout, cache["swa"][role.layer_id], kv, at.pos_T, req.slot_R[at.req_T], last_rows)}}
+            layout, ring, kv, at.pos_T, req.slot_R[at.req_T], last_rows)}}
         return attn.project_out(o, x_TD.dtype), cache
 
 

@@ -88,4 +88,5 @@ def _pool_closing(comp: V4Compressor, x_TD: jax.Array, pos_T: jax.Array, req_T: 
     pooled = jnp.sum(jax.nn.softmax(gate, axis=1) * kv, axis=1)
     keep = valid_T & (pos_T >= requests.end_R[req_T] - S)
     slot = jnp.where(keep, requests.slot_R[req_T], ring_NSw.shape[0])  # out of range -> dropped
+    pooled, ring_NSw = kv_cache.after_reads(pooled, ring_NSw)
     return pooled, ring_NSw.at[slot, pos_T % S].set(raw_T2w, mode="drop")

@@ -165,6 +165,19 @@ def test_unprecompiled_bucket_is_an_error(model):
     assert r.compiled_keys == []  # refused before compiling anything
 
 
+def cache_copies(runner, keys) -> list[str]:
+    """Copies of a cache array (a parameter `cache__...`) in the compiled segments: a ring read, then written,
+    with nothing ordering the two makes XLA copy the whole ring every step to keep the old one readable."""
+    import re
+
+    return [m for key in keys for m in re.findall(r"= \S+ copy\(%cache__[^)]*\)", runner.compiled_text(key))]
+
+
+def test_cache_is_updated_in_place(exact):
+    """SWA rings and ratio-2 tails: written after the attention / pooling has read them, so in place."""
+    assert cache_copies(exact, [("seg1", 8), ("seg2", 8), ("seg1", 32), ("seg2", 32)]) == []
+
+
 def test_segments_compile_to_topk_without_sort(exact):
     """Routers, indexers and candidate selection keep XLA's TopK (a sliced top-k over scores turns into a
     full sort). The only sorts allowed order each query's K candidate block ids (ties -> lowest row) and the

@@ -12,7 +12,7 @@ from dsv41.config import load_config
 from serving.runtime.config import RuntimeConfig
 from serving.runtime.runner import Runner
 from tests.serving.driver import Driver, compiled_runner
-from tests.serving.test_runtime import TOL, _max_err, _run
+from tests.serving.test_runtime import TOL, _max_err, _run, cache_copies
 from tests.serving.test_runtime import _prompt as runtime_prompt
 
 CONFIG = "tests/fixtures/oracle/v4_tiny/config.json"  # 4 layers: SWA (hash-routed), CSA, HCA, CSA; window 8
@@ -57,6 +57,11 @@ def test_layout_of_a_v4_cache(model, exact):
     assert sorted(sh["rows"]) == [1, 2, 3] and sorted(sh["keys"]) == [1, 3] and not sh["tail"]
     assert sh["pool"][1].shape == (4, 8, 2, 2 * c.head_dim) and sh["pool"][2].shape == (4, 128, 2, c.head_dim)
     assert sh["index_pool"][3].shape == (4, 8, 2, 2 * c.index_head_dim) and 2 not in sh["index_pool"]
+
+
+def test_cache_is_updated_in_place(exact):
+    """SWA rings and the compressors' rings of raw rows (HCA's holds 128 positions a slot)."""
+    assert cache_copies(exact, [("seg1", 8), ("seg2", 8), ("seg1", 64), ("seg2", 64)]) == []
 
 
 @pytest.mark.parametrize("chunks", [[64, 64, 64, 64, 44], [7] * 43, [1] * 9 + [64] * 4 + [35], [13] * 23 + [1]])
