@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     from serving.model_source import load_model
     from serving.runtime.runner import enable_compilation_cache
 
-    enable_compilation_cache(srv.compilation_cache_dir)
+    enable_compilation_cache(srv.compilation_cache_dir, executables=ea.parallel.world_size == 1)
     try:
         src = load_model(args.model, ea.runtime.seed, ea.parallel, progress=True)
         _say(f"model: {src.description}")
@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None) -> None:
     _say(f"KV cache: {engine.scheduler.num_blocks} blocks of {engine.scheduler.block_size} tokens{per_rank}, "
          f"{kv['total_bytes'] / 2**20:.1f} MiB; {len(engine.runner.buckets.tokens)} token buckets{rest}")
     _say(f"replay: {engine.runner.replay_summary()}")
+    if (cache := engine.runner.exe_cache) is not None:
+        _say(f"executable cache: {cache.hits} programs loaded, {cache.misses} compiled ({cache.folder})")
     aengine = AsyncEngine(engine)
     app = build_app(aengine, src.tokenizer, model_name=src.name, max_model_len=ea.runtime.max_model_len,
                     api_key=srv.api_key, max_body_bytes=srv.max_request_body_bytes, profile_dir=srv.profile_dir)

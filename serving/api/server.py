@@ -42,8 +42,8 @@ class ServerArgs:
         "help": "require 'Authorization: Bearer KEY' on /v1 routes and /start_profile, /stop_profile"})
     max_request_body_bytes: int = field(default=32 << 20, metadata={"help": "larger request bodies get HTTP 413"})
     compilation_cache_dir: str = field(default=str(Path.home() / ".cache" / "dsv41-jax" / "xla"), metadata={
-        "help": "persistent XLA cache of the compiled steps: a restart with the same flags skips compiling ('' "
-                "turns it off)"})
+        "help": "where compiled steps are kept: a restart with the same flags loads them ('' turns it off); one "
+                "device: the programs themselves (executables/, no tracing either), a mesh: JAX's XLA cache"})
     background_compile: bool = field(default=True, metadata={
         "help": "ready once the largest step bucket of each function is compiled; the smaller ones (faster small "
                 "steps) compile in a background thread while serving, steps padding up meanwhile (off: compile "

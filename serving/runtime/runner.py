@@ -20,6 +20,7 @@ import functools
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import NamedTuple, Sequence
 
 import jax
@@ -29,12 +30,13 @@ from flax import nnx
 
 import dsv41
 from dsv41.layers.moe import set_kernel_impl
-from serving.runtime import kv_cache, segments, spec_step
+from serving.runtime import exe_cache, kv_cache, segments, spec_step
 from serving.runtime.config import RuntimeConfig
 from serving.runtime.batch import Buckets, SeqChunk, build_step, token_ladder
 from serving.runtime.step import KeptRows, PackedBatch, StepBatch, unpacked
 from serving.runtime.decoder_replay import kept_rows
 from serving.runtime.encoder_replay import replay_length
+from serving.runtime.exe_cache import ExecutableCache, arg_tree
 from serving.runtime.kv_cache import CacheLayout
 from serving.runtime.sampler import sample, sampling_arrays
 from serving.runtime.sampling_params import SamplingParams
@@ -148,11 +150,18 @@ class Runner:
             with jax.named_scope("segment2"):
                 return segments.segment2(merge(leaves), self.layout, cache, carry_buf, unpacked(b), **kw)
 
+        # One device: compiled programs (and the carry's shapes) kept on disk skip tracing (see exe_cache).
+        self.exe_cache = None if placement else ExecutableCache.for_runner(repr(
+            (c, rc, self.layout, self._graph, arg_tree(self._leaves), expert_counts, self.spec)))
         # Segment 1 leaves its rows in a persistent buffer of the largest bucket, which segment 2 reads: the
         # kept-row gather then lives in segment 2 and no function is compiled per (tokens, kept rows) pair.
         top = self.buckets.tokens[-1]
-        b1 = self._build_rank([], token_bucket=top, kept_bucket=top).segment1()
-        spec = jax.eval_shape(lambda lv, ca, b: seg1(lv, ca, None, b)[1], self._leaves, self.layout.shapes(), b1)
+        spec = self.exe_cache.get_value("carry") if self.exe_cache else None
+        if spec is None:
+            b1 = self._build_rank([], token_bucket=top, kept_bucket=top).segment1()
+            spec = jax.eval_shape(lambda lv, ca, b: seg1(lv, ca, None, b)[1], self._leaves, self.layout.shapes(), b1)
+            if self.exe_cache:
+                self.exe_cache.put_value("carry", spec)
         sample_fn = functools.partial(sample, max_top_k=rc.max_top_k)
         if placement:
             self.carry_buf = placement.zeros(spec)
@@ -243,7 +252,12 @@ class Runner:
     def _compile(self, key: tuple, fn: str, *args) -> None:
         t = time.perf_counter()
         spec = jax.tree.map(_spec, args)
-        self._exe[key] = self._fns[fn].lower(*spec).compile()
+        exe = self.exe_cache.load(key, spec, list(self._leaves[0].devices())) if self.exe_cache else None
+        if exe is None:
+            exe = self._fns[fn].lower(*spec).compile()
+            if self.exe_cache:
+                self.exe_cache.save(key, spec, exe)
+        self._exe[key] = exe
         self.compile_seconds += time.perf_counter() - t
 
     def bucket_keys(self) -> list[tuple]:
@@ -291,7 +305,7 @@ class Runner:
             if key not in self._exe:
                 self._compile_key(key)
         if self.progress:
-            sys.stderr.write(f"[dsv41-jax] background: the other {len(keys)} buckets compiled in "
+            sys.stderr.write(f"[dsv41-jax] background: the other {len(keys)} buckets ready in "
                              f"{time.perf_counter() - start:.1f}s\n")
 
     @property
@@ -531,9 +545,15 @@ def _bar(done: int, total: int, what: str, seconds: float) -> None:
     sys.stderr.flush()
 
 
-def enable_compilation_cache(path: str | None) -> None:
-    """Keep compiled buckets on disk (JAX's persistent cache), so a restart loads instead of recompiling.
-    Process-wide; `None` or "" leaves it off."""
-    if path:
+def enable_compilation_cache(path: str | None, *, executables: bool = False) -> None:
+    """Keep compiled buckets on disk, so a restart loads instead of recompiling. Process-wide; `None` or ""
+    leaves it off. `executables`: one-device runners keep their programs themselves in `path/executables`
+    (`serving.runtime.exe_cache`: a restart also skips tracing) and JAX's cache stays off; else JAX's
+    persistent cache of compiled HLO in `path`, which mesh runners need."""
+    if not path:
+        return
+    if executables:
+        exe_cache.set_folder(Path(path) / "executables")
+    else:
         jax.config.update("jax_compilation_cache_dir", str(path))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

@@ -1,0 +1,126 @@
+"""Compiled step programs on disk, so a restart skips tracing and lowering as well as compiling.
+
+JAX's persistent cache is keyed by the lowered program, so a warm start still traces and lowers every segment
+before it can look one up: ~2 s a segment for the 10-layer default model, most of a warm start once the
+programs load in under a second. This cache is keyed by what determines a program before it is traced - the
+project's model and runtime source, the jax / jaxlib / flax versions, the backend and its devices, XLA_FLAGS,
+the config, the runtime settings, the cache layout, the parameter tree - and, per program, the bucket and the
+argument tree it is called with; a program whose stored argument tree differs from the call's is not used.
+vLLM keys its torch.compile cache the same way (source hash + config).
+
+`enable_compilation_cache(path, executables=True)` turns it on for the process (`path/executables`) instead
+of JAX's cache: on jaxlib 0.12 a program that came out of JAX's cache serializes without its code (it loads,
+then fails with "Function ... not found"), so the two are not mixed in one process. One device only: a mesh
+runner's programs carry shardings over its devices and are left to JAX's cache.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import pickle
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import jax
+from jax.experimental import serialize_executable
+
+_folder: Path | None = None
+
+
+def set_folder(folder: str | Path | None) -> None:
+    """Keep one-device runners' programs in `folder` (None: not at all), for runners built after this call."""
+    global _folder
+    _folder = Path(folder) if folder else None
+
+
+# the packages whose code becomes the step programs (the server, engine and API only call them)
+_TRACED_PACKAGES = ("dsv41", "pallas_kernels", "serving/runtime", "sharding")
+_JAX_OPTIONS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_default_prng_impl",
+                "jax_threefry_partitionable", "jax_numpy_rank_promotion", "jax_use_shardy_partitioner")
+
+
+@functools.cache
+def _environment() -> str:
+    """What every program depends on beyond its own arguments, hashed once per process."""
+    import flax
+    import jaxlib
+
+    h = hashlib.sha256()
+    root = Path(__file__).resolve().parents[2]
+    for package in _TRACED_PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            h.update(str(path.relative_to(root)).encode())
+            h.update(path.read_bytes())
+    devices = [(d.platform, d.device_kind) for d in jax.devices()]
+    options = [(name, getattr(jax.config, name, None)) for name in _JAX_OPTIONS]
+    h.update(repr((sys.version, jax.__version__, jaxlib.__version__, flax.__version__, jax.default_backend(),
+                   devices, jax.process_count(), os.environ.get("XLA_FLAGS", ""), options)).encode())
+    return h.hexdigest()
+
+
+def arg_tree(args) -> str:
+    """The argument tree as a program sees it: structure, shapes, dtypes, shardings."""
+    leaves, treedef = jax.tree.flatten(args)
+    return repr((treedef, [(a.shape, str(a.dtype), getattr(a, "weak_type", False), a.sharding) for a in leaves]))
+
+
+class ExecutableCache:
+    """The programs of one runner: `load(name, key, specs)` / `save(...)`, and one picklable value (`get_value`
+    / `put_value`: the segment carry's shapes, found by tracing otherwise)."""
+
+    def __init__(self, folder: str | Path, runner_state: str):
+        self.folder = Path(folder)
+        self._prefix = hashlib.sha256((_environment() + runner_state).encode()).hexdigest()[:32]
+        self.hits = self.misses = 0
+
+    @classmethod
+    def for_runner(cls, runner_state: str) -> ExecutableCache | None:
+        """The process's cache (`set_folder`) for one runner's programs, or None when it is off."""
+        return cls(_folder, runner_state) if _folder else None
+
+    def _path(self, name: str) -> Path:
+        return self.folder / f"{self._prefix}-{hashlib.sha256(name.encode()).hexdigest()[:32]}.pkl"
+
+    def _read(self, name: str):
+        try:
+            return pickle.loads(self._path(name).read_bytes())
+        except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError):
+            return None  # absent, or written by another version: rebuilt and overwritten
+
+    def _write(self, name: str, value) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.folder, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump(value, f)
+        os.replace(tmp, self._path(name))  # atomic: a concurrent reader sees the old file or the new one
+
+    def get_value(self, name: str):
+        return self._read(f"value {name}")
+
+    def put_value(self, name: str, value) -> None:
+        self._write(f"value {name}", value)
+
+    def load(self, key: tuple, specs: tuple, devices: list):
+        """The compiled program of bucket `key` for arguments `specs`, loaded onto `devices` (those it was
+        compiled for: by default a program loads onto every local device), or None."""
+        entry = self._read(f"program {key!r} {arg_tree(specs)}")
+        if entry is not None:
+            payload, in_tree, out_tree = entry
+            if in_tree == jax.tree.structure((specs, {})):
+                self.hits += 1
+                return serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
+                                                                 execution_devices=devices)
+        self.misses += 1
+        return None
+
+    def save(self, key: tuple, specs: tuple, compiled) -> None:
+        try:
+            entry = serialize_executable.serialize(compiled)
+        except (ValueError, NotImplementedError) as e:  # e.g. a program closing over device arrays
+            warnings.warn(f"bucket {key} not kept in the executable cache: {e}", stacklevel=2)
+            return
+        self._write(f"program {key!r} {arg_tree(specs)}", entry)

@@ -1,0 +1,66 @@
+"""The executable cache across restarts (fresh processes: the suite's own process runs JAX's cache, which this
+one replaces): the second start loads every program and the segment carry's shapes without tracing, and its steps
+equal the first start's bit for bit; other settings, or damaged entries, miss and compile."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from tests.conftest import HANG_TIMEOUT_S, xla_env
+
+_START = r"""
+import json, sys
+import numpy as np
+import dsv41
+from serving.runtime import segments
+from serving.runtime.config import RuntimeConfig
+from serving.runtime.runner import Runner, enable_compilation_cache
+from tests.serving.driver import Driver
+
+folder, max_num_seqs, out, forbid_tracing = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
+enable_compilation_cache(folder, executables=True)
+if forbid_tracing:
+    def traced(*a, **k):
+        raise AssertionError("a segment was traced although its programs and the carry are cached")
+    segments.segment1 = segments.segment2 = traced
+rc = RuntimeConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=16, max_model_len=64, block_size=8,
+                   token_buckets=(16,))
+r = Runner(dsv41.random_model("tiny", seed=3), rc, progress=False)
+r.precompile()
+d = Driver(r)
+d.start("a", [int(t) for t in np.random.default_rng(0).integers(3, 500, 21)])
+logits = [d.step({"a": 16})["a"], d.step({"a": 5})["a"]]
+d.append("a", int(np.argmax(logits[-1])))
+logits.append(d.step({"a": 1})["a"])
+np.save(out, np.stack(logits))
+print(json.dumps({"hits": r.exe_cache.hits, "misses": r.exe_cache.misses}))
+"""
+
+
+def _start(folder, tmp_path, max_num_seqs=2, forbid_tracing=False) -> tuple[dict, np.ndarray]:
+    """One start on 8 CPU devices (a loaded program must land on the one device it was compiled for)."""
+    out = tmp_path / f"logits_{max_num_seqs}_{forbid_tracing}.npy"
+    done = subprocess.run([sys.executable, "-c", _START, str(folder), str(max_num_seqs), str(out),
+                           str(int(forbid_tracing))], capture_output=True, text=True, env=xla_env(8),
+                          cwd=Path(__file__).resolve().parents[2], timeout=HANG_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1]), np.load(out)
+
+
+def test_restart_loads_every_program_without_tracing(tmp_path):
+    folder = tmp_path / "cache"
+    first, want = _start(folder, tmp_path)
+    assert first == {"hits": 0, "misses": 3}  # seg1 and seg2 at 16 tokens, sampling
+    second, got = _start(folder, tmp_path, forbid_tracing=True)
+    assert second == {"hits": 3, "misses": 0}
+    np.testing.assert_array_equal(got, want)
+    other, _ = _start(folder, tmp_path, max_num_seqs=3)  # other settings: other programs
+    assert other == {"hits": 0, "misses": 3}
+    for path in (folder / "executables").glob("*.pkl"):
+        path.write_bytes(b"damaged")
+    again, got = _start(folder, tmp_path)
+    assert again == {"hits": 0, "misses": 3}
+    np.testing.assert_array_equal(got, want)
