@@ -48,6 +48,7 @@ def _environment() -> str:
     """What every program depends on beyond its own arguments, hashed once per process."""
     import flax
     import jaxlib
+    import numpy
 
     h = hashlib.sha256()
     root = Path(__file__).resolve().parents[2]
@@ -57,7 +58,8 @@ def _environment() -> str:
             h.update(path.read_bytes())
     devices = [(d.platform, d.device_kind) for d in jax.devices()]
     options = [(name, getattr(jax.config, name, None)) for name in _JAX_OPTIONS]
-    h.update(repr((sys.version, jax.__version__, jaxlib.__version__, flax.__version__, jax.default_backend(),
+    h.update(repr((sys.version, jax.__version__, jaxlib.__version__, flax.__version__, numpy.__version__,
+                   jax.default_backend(),
                    devices, jax.process_count(), os.environ.get("XLA_FLAGS", ""), options)).encode())
     return h.hexdigest()
 
@@ -69,8 +71,8 @@ def arg_tree(args) -> str:
 
 
 class ExecutableCache:
-    """The programs of one runner: `load(name, key, specs)` / `save(...)`, and one picklable value (`get_value`
-    / `put_value`: the segment carry's shapes, found by tracing otherwise)."""
+    """One runner's programs (`load` / `save` per bucket) and picklable values (`get_value` / `put_value`: the
+    segment carry's shapes, found by tracing otherwise). Anything unreadable is a miss: rebuilt, overwritten."""
 
     def __init__(self, folder: str | Path, runner_state: str):
         self.folder = Path(folder)
@@ -88,8 +90,8 @@ class ExecutableCache:
     def _read(self, name: str):
         try:
             return pickle.loads(self._path(name).read_bytes())
-        except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError):
-            return None  # absent, or written by another version: rebuilt and overwritten
+        except Exception:  # absent, damaged, or of classes that changed since: a cache miss, never an error
+            return None
 
     def _write(self, name: str, value) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -111,9 +113,14 @@ class ExecutableCache:
         if entry is not None:
             payload, in_tree, out_tree = entry
             if in_tree == jax.tree.structure((specs, {})):
-                self.hits += 1
-                return serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
-                                                                 execution_devices=devices)
+                try:
+                    exe = serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
+                                                                    execution_devices=devices)
+                except Exception:  # a damaged payload: compiled again and overwritten
+                    exe = None
+                if exe is not None:
+                    self.hits += 1
+                    return exe
         self.misses += 1
         return None
 
