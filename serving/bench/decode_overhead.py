@@ -74,6 +74,7 @@ def served(args) -> dict:
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "serving.server", "--port", str(port), "--disable-access-log", "--log-level",
            "warning", "--compilation-cache-dir", args.compilation_cache_dir, "--dtype", args.dtype,
+           "--no-background-compile",  # measured steps must not share the CPU with the other buckets' compiles
            *_engine_args(args).to_flags()]
     if args.model:
         cmd += ["--model", args.model]
