@@ -186,6 +186,13 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _portable(path: str) -> str:
+    """The checkpoint path as the README's command names it ($PEER_DIR/...), so a committed JSON names no folder
+    of this machine."""
+    peer_dir = os.environ.get("PEER_DIR")
+    return "$PEER_DIR" + path[len(peer_dir.rstrip("/")):] if peer_dir and path.startswith(peer_dir) else path
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     conc = [int(c) for c in args.concurrency.split(",")]
@@ -212,7 +219,7 @@ def main(argv=None) -> int:
                  "prefill_of_matmul_roofline": flops / rates["matmul_flop_s"] / (ours[conc[0]]["median_ttft_ms"] / 1e3),
                  "decode_of_streaming_floor": {c: decode_weight_bytes(model, c) / rates["stream_bytes_s"]
                                                / (ours[c]["median_tpot_ms"] / 1e3) for c in conc}}
-    result = {"model": str(args.model), "workload": {"input_len": args.input_len, "output_len": args.output_len,
+    result = {"model": _portable(str(args.model)), "workload": {"input_len": args.input_len, "output_len": args.output_len,
                                                      "token_id_range": token_ids, "seed": args.seed,
                                                      "num_prompts": args.num_prompts, "our_dtype": args.dtype},
               "rates": rates, "engines": engines, "fractions": fractions, "vllm_skipped": skip}

@@ -24,6 +24,7 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import jax
 from jax.experimental import serialize_executable
@@ -80,9 +81,10 @@ class ExecutableCache:
         self.hits = self.misses = 0
 
     @classmethod
-    def for_runner(cls, runner_state: str) -> ExecutableCache | None:
-        """The process's cache (`set_folder`) for one runner's programs, or None when it is off."""
-        return cls(_folder, runner_state) if _folder else None
+    def for_runner(cls, runner_state: Callable[[], str]) -> ExecutableCache | None:
+        """The process's cache (`set_folder`) for one runner's programs, or None when it is off (`runner_state`,
+        the runner described for the key, is then not computed: ~40 ms for the default model)."""
+        return cls(_folder, runner_state()) if _folder else None
 
     def _path(self, name: str) -> Path:
         return self.folder / f"{self._prefix}-{hashlib.sha256(name.encode()).hexdigest()[:32]}.pkl"

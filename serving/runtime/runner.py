@@ -151,7 +151,7 @@ class Runner:
                 return segments.segment2(merge(leaves), self.layout, cache, carry_buf, unpacked(b), **kw)
 
         # One device: compiled programs (and the carry's shapes) kept on disk skip tracing (see exe_cache).
-        self.exe_cache = None if placement else ExecutableCache.for_runner(repr(
+        self.exe_cache = None if placement else ExecutableCache.for_runner(lambda: repr(
             (c, rc, self.layout, self._graph, arg_tree(self._leaves), expert_counts, self.spec)))
         # Segment 1 leaves its rows in a persistent buffer of the largest bucket, which segment 2 reads: the
         # kept-row gather then lives in segment 2 and no function is compiled per (tokens, kept rows) pair.
