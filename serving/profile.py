@@ -3,7 +3,8 @@
 Loads a model as the server does (`--model`, default the built-in nano-austen; the engine's flags too), runs an
 in-process engine on `--batch` requests of `--input-len` random token ids (from `--seed`) each generating
 `--output-len` tokens, once to warm up (every bucket is precompiled when the engine is built; the warm-up takes the
-first-run costs out of the trace), then again with a `jax.profiler` trace around the first `--steps` steps. Prints
+first-run costs out of the trace), then again with a `jax.profiler` trace around the first `--steps` steps (and the
+dispatch of the one after them: the engine launches a step before making the previous one's text). Prints
 host time per engine phase, device time per segment, layer and named scope, and the top ops
 (`serving.engine.trace_report`); `--output-json` writes the same. The trace opens in TensorBoard / XProf (the
 `.xplane.pb`) and Perfetto (`perfetto_trace.json.gz`). `--read PATH` prints the same tables for a trace taken

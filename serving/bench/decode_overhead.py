@@ -8,19 +8,25 @@ served  `python -m serving.server` with the same engine configuration, `batch` c
         the window in which every request is decoding (from the last first-token to the first last-token),
         from each chunk's arrival time and token ids - scheduler, detokenizer, SSE and HTTP included.
 
-`--profile-dir DIR`: a `jax.profiler` trace of both timed parts - the bare steps in this process, the served
-window through the server's `/start_profile` / `/stop_profile` - each in its own session folder.
+The two sides alternate, `--repeats` rounds of bare then served with the server kept up (idle while the bare
+steps run), and the ratio is that of the two medians: this machine's speed drifts by 10-20% over minutes, which
+one bare run followed by one served run mistook for overhead (0.84 to 1.04 on the same code).
 
-    python -m serving.bench.decode_overhead [--model small] [--batch 32] [--context 256] [--steps 64]
+`--profile-dir DIR`: a `jax.profiler` trace of the first round's timed parts - the bare steps in this process, the
+served window through the server's `/start_profile` / `/stop_profile` - each in its own session folder.
+
+    python -m serving.bench.decode_overhead [--model small] [--batch 32] [--context 256] [--steps 64] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -41,9 +47,8 @@ def _engine_args(args):
                          token_buckets=tuple(sorted({args.batch, args.max_num_batched_tokens})))
 
 
-def bare(args) -> dict:
+def bare_runner(args):
     import dsv41
-    from serving.bench.prefill import bench_decode
     from serving.runtime.runner import Runner, enable_compilation_cache
 
     enable_compilation_cache(args.compilation_cache_dir)
@@ -51,9 +56,16 @@ def bare(args) -> dict:
              else dsv41.load(args.model, dtype=args.dtype))
     r = Runner(model, _engine_args(args).runtime, progress=False)
     r.precompile()
-    tps = bench_decode(r, args.batch, args.context, args.steps, model.config.vocab_size, args.profile_dir,
-                       "bare_decode")
-    return {"tokens_per_s": tps, "step_ms": 1000 * args.batch / tps}
+    return r
+
+
+def bare(args, r, profile: bool) -> float:
+    """ms per step of `steps` decode steps of the runner (its requests prefilled again each round)."""
+    from serving.bench.prefill import bench_decode
+
+    tps = bench_decode(r, args.batch, args.context, args.steps, r.config.vocab_size,
+                       args.profile_dir if profile else None, "bare_decode")
+    return 1000 * args.batch / tps
 
 
 async def _stream(client, url, prompt, steps, log):
@@ -68,7 +80,9 @@ async def _stream(client, url, prompt, steps, log):
                     log.append((time.perf_counter(), len(ch["choices"][0].get("token_ids") or [])))
 
 
-def served(args) -> dict:
+@contextlib.contextmanager
+def server(args):
+    """The server with the same engine configuration, ready; yields its URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -80,7 +94,6 @@ def served(args) -> dict:
         cmd += ["--model", args.model]
     if args.profile_dir:
         cmd += ["--profile-dir", str(Path(args.profile_dir).absolute())]  # the server runs in another folder
-    trace = {}
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -92,34 +105,42 @@ def served(args) -> dict:
                     break
             except httpx.HTTPError:
                 time.sleep(0.5)
-        import dsv41
-
-        vocab = dsv41.load_config(args.model).vocab_size
-        prompts = [[int(t) for t in np.random.default_rng(1000 + i).integers(3, vocab, args.context)]
-                   for i in range(args.batch)]
-
-        async def run():
-            async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=args.batch + 4)) as c:
-                await _stream(c, url, prompts[0][:16], 4, [])  # warm-up
-                logs = [[] for _ in prompts]
-                if args.profile_dir:
-                    (await c.post(f"{url}/start_profile")).raise_for_status()
-                await asyncio.gather(*(_stream(c, url, p, args.steps, log) for p, log in zip(prompts, logs)))
-                if args.profile_dir:
-                    stopped = await c.post(f"{url}/stop_profile")
-                    stopped.raise_for_status()
-                    trace["trace_dir"] = stopped.json()["trace_dir"]
-                    print(f"profile: served_decode: trace written to {trace['trace_dir']}", file=sys.stderr)
-                return logs
-
-        logs = asyncio.run(run())
+        yield url
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def served(args, url: str, round_: int, profile: bool) -> dict:
+    """One served window: `batch` concurrent streams of new prompts; ms per step over the window in which every
+    request decodes."""
+    import dsv41
+
+    vocab = dsv41.load_config(args.model).vocab_size
+    prompts = [[int(t) for t in np.random.default_rng(1000 * (round_ + 1) + i).integers(3, vocab, args.context)]
+               for i in range(args.batch)]
+    trace = {}
+
+    async def run():
+        async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=args.batch + 4)) as c:
+            await _stream(c, url, prompts[0][:16], 4, [])  # warm-up
+            logs = [[] for _ in prompts]
+            if profile:
+                (await c.post(f"{url}/start_profile")).raise_for_status()
+            await asyncio.gather(*(_stream(c, url, p, args.steps, log) for p, log in zip(prompts, logs)))
+            if profile:
+                stopped = await c.post(f"{url}/stop_profile")
+                stopped.raise_for_status()
+                trace["trace_dir"] = stopped.json()["trace_dir"]
+                print(f"profile: served_decode: trace written to {trace['trace_dir']}", file=sys.stderr)
+            return logs
+
+    logs = asyncio.run(run())
     start = max(log[0][0] for log in logs)  # every request has its first token: all are decoding
     end = min(log[-1][0] for log in logs)
     tokens = sum(n for log in logs for t, n in log if start < t <= end)
-    return {"tokens_per_s": tokens / (end - start), "window_s": end - start, "tokens_in_window": tokens, **trace}
+    return {"step_ms": 1000 * args.batch * (end - start) / tokens, "window_s": end - start,
+            "tokens_in_window": tokens, **trace}
 
 
 def main(argv=None) -> int:
@@ -128,6 +149,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3, help="alternating rounds of bare then served (default: 3)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
@@ -139,16 +161,30 @@ def main(argv=None) -> int:
         from serving.api.server import ServerArgs
 
         args.compilation_cache_dir = ServerArgs().compilation_cache_dir
-    b = bare(args)
-    s = served(args)
-    ratio = s["tokens_per_s"] / b["tokens_per_s"]
-    res = {"model": args.model, "batch": args.batch, "context": args.context,
-           "steps": args.steps, "dtype": args.dtype, "bare": b, "served": s, "served_over_bare": ratio}
-    print(f"decode at batch {args.batch}, context {args.context}, {args.model} ({args.dtype})")
+    r = bare_runner(args)
+    rounds = []
+    with server(args) as url:
+        for i in range(args.repeats):
+            profile = i == 0 and bool(args.profile_dir)
+            b = bare(args, r, profile)
+            s = served(args, url, i, profile)
+            rounds.append({"bare_ms": b, "served_ms": s["step_ms"], "served_over_bare": b / s["step_ms"], **s})
+            print(f"round {i + 1}: bare {b:.2f} ms/step, served {s['step_ms']:.2f} ms/step, "
+                  f"served / bare {b / s['step_ms']:.3f}", file=sys.stderr)
+    b_ms = statistics.median(x["bare_ms"] for x in rounds)
+    s_ms = statistics.median(x["served_ms"] for x in rounds)
+    ratio = b_ms / s_ms  # throughput ratio: tokens/s served over tokens/s bare
+    res = {"model": args.model, "batch": args.batch, "context": args.context, "steps": args.steps,
+           "dtype": args.dtype, "repeats": args.repeats, "rounds": rounds,
+           "bare": {"step_ms": b_ms, "tokens_per_s": 1000 * args.batch / b_ms},
+           "served": {"step_ms": s_ms, "tokens_per_s": 1000 * args.batch / s_ms}, "served_over_bare": ratio}
+    print(f"decode at batch {args.batch}, context {args.context}, {args.model} ({args.dtype}), "
+          f"medians of {args.repeats} alternating rounds")
     print(f"{'':8} {'tokens/s':>10} {'ms/step':>8}")
-    print(f"{'bare':8} {b['tokens_per_s']:10.1f} {b['step_ms']:8.2f}")
-    print(f"{'served':8} {s['tokens_per_s']:10.1f} {1000 * args.batch / s['tokens_per_s']:8.2f}")
-    print(f"served / bare = {ratio:.3f} (target >= 0.90)")
+    for name in ("bare", "served"):
+        print(f"{name:8} {res[name]['tokens_per_s']:10.1f} {res[name]['step_ms']:8.2f}")
+    per_round = ", ".join(f"{x['served_over_bare']:.3f}" for x in rounds)
+    print(f"served / bare = {ratio:.3f} (target >= 0.90; rounds {per_round})")
     Path(args.out).write_text(json.dumps(res, indent=1))
     return 0
 

@@ -4,6 +4,12 @@
 -> the scheduler registers the written blocks, appends the sampled tokens and decides token finishes -> the
 output handling turns the tokens into text (a stop string there finishes the request too) and logprobs.
 The async server and the offline `LLM` both drive this class; only one thread may call it.
+
+The output handling of a step overlaps the next step: once a step's tokens are appended and its token-based
+finishes applied, the next step is scheduled and dispatched, and only then is the text made (vLLM overlaps the
+same work by detokenizing in another process). Scheduling stays exact: it sees every token. What a stop string
+(found in the text) finishes has one more row in the step already running; that row is dropped, and the blocks
+the request frees are only reused by steps after it (the device runs steps in order).
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -24,12 +31,19 @@ from serving.engine.output import OutputState
 from serving.engine.request import Finish, Request, RequestOutput, TokenLogprob
 from serving.engine.scheduler import Scheduled
 from serving.runtime.batch import SeqChunk
-from serving.runtime.runner import Runner, StepOutput
+from serving.runtime.runner import LaunchedStep, Runner, StepOutput
 from serving.runtime.sampling_params import SamplingParams
 from sharding.model import ShardedModel
 from sharding.runtime import MeshPlacement
 
 log = logging.getLogger("serving.engine")
+
+
+class _InFlight(NamedTuple):
+    """A dispatched step: what was scheduled and the runner's handle to its device work."""
+
+    sched: list[Scheduled]
+    launched: LaunchedStep
 
 
 class Engine:
@@ -63,6 +77,7 @@ class Engine:
         self._rng = np.random.default_rng(args.runtime.seed)
         self.eos_id = getattr(tokenizer, "eos_id", model.config.eos_token_id)
         self._preemptions_seen = 0
+        self._inflight: _InFlight | None = None  # the step dispatched while the previous one's text was made
         self._update_gauges()
 
     # ------------------------------------------------------------------ requests
@@ -111,6 +126,7 @@ class Engine:
         if req is None:
             return None
         out = self._finish(req, "abort", None, "")
+        self._settle()
         self._update_gauges()  # the engine may be idle now: no step would refresh them
         return out
 
@@ -119,35 +135,77 @@ class Engine:
 
     # ---------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
+        """Run the engine one step on: the outputs of one finished step (none when nothing ran). The step after it
+        is already dispatched when the text of this one is produced (see the module docstring)."""
         # Trace annotations name the phases of a step (engine.schedule, runner.build / segment1 / segment2 /
         # sample / readback, engine.detokenize) so a profile splits host time by phase (serving.engine.trace_report).
         with jax.profiler.TraceAnnotation("engine.step"):
-            with jax.profiler.TraceAnnotation("engine.schedule"):
-                sched = self.scheduler.schedule()
+            done = self._inflight or self._launch()
+            self._inflight = None
             outputs: list[RequestOutput] = []
-            if sched:
-                self._note_admissions(sched)
-                out = self.runner.step([self._chunk(s) for s in sched], [s.request.params for s in sched],
-                                       [self._banned(s.request) for s in sched])
-                if self.eplb is not None:  # a rearrangement migrates the weights here, between two steps
-                    self.eplb.after_step(out.expert_counts, self.runner)
-                now = time.monotonic()
-                # the scheduler's postprocess (append, token finishes) is counted here too: it is per-request
-                # host work interleaved with the text, not worth an annotation per request
-                with jax.profiler.TraceAnnotation("engine.detokenize"):
-                    for i, s in enumerate(sched):
-                        req = s.request
-                        emitted = self._emitted(s, out, i)
-                        before = req.num_tokens
-                        finish = self.scheduler.postprocess(s, emitted)
-                        if i in out.prompt_logprobs:
-                            self._collect_prompt_logprobs(s, out.prompt_logprobs[i])
-                        if s.sample:
-                            if self.spec:
-                                req.draft_ids = [int(t) for t in out.drafts[i][:self.spec.num_speculative_tokens]]
-                            outputs.append(self._sampled(req, req.token_ids[before:], finish, out, i, now))
+            if done is not None:
+                out, before, finishes, now = self._collect(done)
+                self._inflight = self._launch()  # the device runs it while the host makes this step's text
+                outputs = self._outputs(done.sched, out, before, finishes, now)
+            self._settle()
             self._update_gauges()
             return outputs
+
+    def _settle(self) -> None:
+        """With no request left, wait for the step in flight (its rows ended by stop strings or aborts) and drop it,
+        so an idle engine holds no device work."""
+        if self._inflight is not None and not self.requests:
+            self._collect(self._inflight)
+            self._inflight = None
+
+    def _launch(self) -> _InFlight | None:
+        with jax.profiler.TraceAnnotation("engine.schedule"):
+            sched = self.scheduler.schedule()
+        if not sched:
+            return None
+        self._note_admissions(sched)
+        launched = self.runner.launch([self._chunk(s) for s in sched], [s.request.params for s in sched],
+                                      [self._banned(s.request) for s in sched])
+        return _InFlight(sched, launched)
+
+    def _collect(self, step: _InFlight) -> tuple[StepOutput, list[int], list[Finish | None], float]:
+        """Wait for a step and do what the next one's scheduling needs: the tokens appended, the token-based
+        finishes decided and those requests' blocks and slots freed, the next drafts. A request that finished or
+        was aborted while the step ran (a stop string in the previous step's text) is skipped: its row is dropped.
+        Returns the step's outputs, each request's token count before the step and its finish."""
+        out = self.runner.collect(step.launched)
+        if self.eplb is not None:  # a rearrangement migrates the weights here, between two steps
+            self.eplb.after_step(out.expert_counts, self.runner)
+        now = time.monotonic()
+        before, finishes = [], []
+        for i, s in enumerate(step.sched):
+            req = s.request
+            before.append(req.num_tokens)
+            finishes.append(None)
+            if req.finished:
+                continue
+            finishes[-1] = self.scheduler.postprocess(s, self._emitted(s, out, i))
+            if finishes[-1] is not None:
+                self.scheduler.remove(req)  # before the next step is scheduled; the output follows
+            if s.sample and self.spec:
+                req.draft_ids = [int(t) for t in out.drafts[i][:self.spec.num_speculative_tokens]]
+        return out, before, finishes, now
+
+    def _outputs(self, sched: list[Scheduled], out: StepOutput, before: list[int], finishes: list[Finish | None],
+                 now: float) -> list[RequestOutput]:
+        """A collected step's per-request deltas: text, logprobs, stop strings, finishes."""
+        outputs = []
+        # the per-request text work is counted here, not worth an annotation per request
+        with jax.profiler.TraceAnnotation("engine.detokenize"):
+            for i, s in enumerate(sched):
+                req = s.request
+                if self.requests.get(req.request_id) is not req:  # finished or aborted while the step ran
+                    continue
+                if i in out.prompt_logprobs:
+                    self._collect_prompt_logprobs(s, out.prompt_logprobs[i])
+                if s.sample:
+                    outputs.append(self._sampled(req, req.token_ids[before[i]:], finishes[i], out, i, now))
+        return outputs
 
     def _emitted(self, s: Scheduled, out: StepOutput, i: int) -> list[int]:
         """The chunk's new tokens (none unless it sampled); counts speculative acceptance."""
@@ -242,7 +300,8 @@ class Engine:
 
     def _finish(self, req: Request, reason: str, stop_reason, text: str, new_ids: list[int] | None = None
                 ) -> RequestOutput:
-        self.scheduler.remove(req)
+        if not req.finished:  # a token finish left the scheduler when its step was collected
+            self.scheduler.remove(req)
         del self.requests[req.request_id]
         tail = self._out.pop(req.request_id).flush() if reason != "stop" else ""
         self._prompt_lp.pop(req.request_id, None)

@@ -5,7 +5,8 @@ Shapes are bucketed: segment 1 by the step's token count, segment 2 by its kept-
 trimming), the sampler once. Every bucket is compiled ahead of time
 (`precompile`, with a progress bar); a step whose bucket was not compiled raises instead of compiling in
 the serving loop. One step = one host->device call per function and one device->host copy: the tokens
-(and, with `expert_counts`, the MoE layers' per-expert token counts in the same copy).
+(and, with `expert_counts`, the MoE layers' per-expert token counts in the same copy). `step` = `launch`
+(dispatch, returns at once) + `collect` (waits, reads back): the engine does host work between the two.
 
 Data parallelism: with a `placement` of R data-parallel ranks (sharding.runtime.MeshPlacement) every rank
 has its own `max_num_seqs` slots, its own blocks and its own batch; a chunk says its rank (`SeqChunk.rank`)
@@ -81,6 +82,14 @@ class _Segments(NamedTuple):
     expert_counts: tuple  # the two segments' [L, E] counts (None when off)
     rows: list[int]  # each chunk's logits row
     where: list[tuple[int, int]]  # each chunk's (rank, index in the rank)
+
+
+class LaunchedStep(NamedTuple):
+    """A step dispatched by `Runner.launch` whose outputs `Runner.collect` has not read yet."""
+
+    chunks: list[SeqChunk]
+    segments: _Segments | None  # None with speculative decoding (its outputs are in `sampled`)
+    sampled: object  # the sampler's (or the speculative step's) device outputs
 
 
 def check_supported(c: dsv41.ModelConfig) -> None:
@@ -445,28 +454,41 @@ class Runner:
              banned: Sequence[Sequence[int]] | None = None) -> StepOutput:
         """Run one step and sample each request's next token; row logprobs for chunks that ask for them. With
         speculative decoding each request verifies its drafts (`SeqChunk.draft_ids`) and emits 1 .. 1 + k tokens."""
+        return self.collect(self.launch(chunks, params, banned))
+
+    def launch(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams | None],
+               banned: Sequence[Sequence[int]] | None = None) -> LaunchedStep:
+        """`step` without its wait: the step's programs are dispatched and the host returns at once, so it can
+        work while the device runs (the engine produces the previous step's text then). `collect` waits."""
         if self.spec:
-            return self._step_speculative(chunks, params, banned)
-        kept, logits, prompt_lp, counts, rows, where = self._segments(chunks)
+            return self._launch_speculative(chunks, params, banned)
+        seg = self._segments(chunks)
         n_rows = self.ranks * self.rc.max_num_seqs  # chunk i samples from logits row rows[i]
         row_params, row_pos, row_banned = [None] * n_rows, [0] * n_rows, [[] for _ in range(n_rows)]
-        for i, r in enumerate(rows):
+        for i, r in enumerate(seg.rows):
             row_params[r], row_pos[r] = params[i], chunks[i].end
             if banned is not None:
                 row_banned[r] = list(banned[i])
         p = sampling_arrays(row_params, row_pos, n_rows, self.rc.seed, banned=row_banned)
         with jax.profiler.TraceAnnotation("runner.sample"):
-            sampled = self._exe_for(("sample",))(logits, self._put_replicated(p))
-        # the calls above only dispatch: this is where the host waits for the step's device work
+            sampled = self._exe_for(("sample",))(seg.logits, self._put_replicated(p))
+        return LaunchedStep(list(chunks), seg, tuple(sampled))
+
+    def collect(self, launched: LaunchedStep) -> StepOutput:
+        """Wait for a launched step's device work and read its outputs (one device->host copy)."""
+        if self.spec:
+            return self._collect_speculative(launched)
+        chunks, seg = launched.chunks, launched.segments
         with jax.profiler.TraceAnnotation("runner.readback"):
-            sampled, counts = jax.device_get((tuple(sampled), counts if self.expert_counts else None))
-        tok, logprob, top_ids, top_lp = (a[rows] for a in sampled)
+            sampled, counts = jax.device_get((launched.sampled,
+                                              seg.expert_counts if self.expert_counts else None))
+        tok, logprob, top_ids, top_lp = (a[seg.rows] for a in sampled)
         expert_counts = np.concatenate(counts) if counts is not None else None
         out = {}
         if any(ch.prompt_logprobs for ch in chunks):
-            K = kept.row_K.shape[1]
-            lp, ids, tlp = (np.asarray(a) for a in prompt_lp)
-            for i, (ch, (r, j)) in enumerate(zip(chunks, where)):
+            kept, K = seg.kept, seg.kept.row_K.shape[1]
+            lp, ids, tlp = (np.asarray(a) for a in seg.prompt_logprobs)
+            for i, (ch, (r, j)) in enumerate(zip(chunks, seg.where)):
                 if ch.prompt_logprobs:
                     first = r * K + kept.first_R[r, j]
                     sl = slice(first, first + kept.qlen_R[r, j])
@@ -485,8 +507,8 @@ class Runner:
         return spec_step.SpecInputs(slot, row0, n_draft, drafts, first, floor, active.astype(bool),
                                     batch.requests.block_table_RM[0][:R])
 
-    def _step_speculative(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams | None],
-                          banned: Sequence[Sequence[int]] | None) -> StepOutput:
+    def _launch_speculative(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams | None],
+                            banned: Sequence[Sequence[int]] | None) -> LaunchedStep:
         if any(ch.prompt_logprobs for ch in chunks):
             raise ValueError("prompt logprobs are not served with speculative decoding")
         R = self._bucket("spec", len(chunks), self.spec_rows)  # the requests' rows bucket
@@ -505,9 +527,12 @@ class Runner:
         with jax.profiler.TraceAnnotation("runner.speculative"):
             self.cache, self.q_buf, out = self._exe_for(("spec", R))(self._leaves, self.cache, self.carry_buf, snap,
                                                                   self.q_buf, logits, s, p)
+        return LaunchedStep(list(chunks), None, out)
+
+    def _collect_speculative(self, launched: LaunchedStep) -> StepOutput:
         with jax.profiler.TraceAnnotation("runner.readback"):
-            out = jax.device_get(out)
-        n = len(chunks)
+            out = jax.device_get(launched.sampled)
+        n = len(launched.chunks)
         return StepOutput(out.emitted_RJ[:n], out.logprob_RJ[:n], out.top_ids_RJL[:n], out.top_logprobs_RJL[:n], {},
                           None, out.n_accepted_R[:n] + 1, out.drafts_RB[:n], out.confidence_RB[:n])
 

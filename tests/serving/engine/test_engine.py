@@ -143,3 +143,55 @@ def test_min_tokens_masks_stop_ids_until_reached(engine):
                                                         stop_token_ids=stops))
     assert not set(got[:3]) & set(stops), (free, got)
     assert len(got) == 8 or got[-1] in stops
+
+
+def test_the_next_step_is_dispatched_before_the_text_is_made(engine, monkeypatch):
+    """A step's text is made while the next step runs: the runner's calls and the output handling interleave as
+    launch, collect, launch, text; and the tokens are those of the step-by-step run."""
+    from serving.engine.output import OutputState
+
+    prompt = _prompt(41)
+    p = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    (alone,), _ = _serve(engine, [prompt], p)
+    events = []
+    launch, collect, update = engine.runner.launch, engine.runner.collect, OutputState.update
+    monkeypatch.setattr(engine.runner, "launch", lambda *a: events.append("launch") or launch(*a))
+    monkeypatch.setattr(engine.runner, "collect", lambda step: events.append("collect") or collect(step))
+    monkeypatch.setattr(OutputState, "update", lambda self, *a: events.append("text") or update(self, *a))
+    (got,), _ = _serve(engine, [prompt], p)
+    assert got == alone
+    # one prefill chunk and two decode steps; the last one finishes by length, so nothing follows it
+    assert events == ["launch", "collect", "launch", "text", "collect", "launch", "text", "collect", "text"]
+
+
+def test_a_stop_string_drops_the_row_already_dispatched(engine, monkeypatch):
+    """A stop string is found in the text after the request's next step was dispatched: that row is dropped, the
+    request ends at the string, the other request in the batch is unchanged and every block comes back."""
+    from serving.text.tokenizer import byte_level_tokenizer
+
+    monkeypatch.setattr(engine, "tokenizer", byte_level_tokenizer(512))
+
+    def run(requests):
+        for rid, prompt, params in requests:
+            engine.add_request(rid, prompt, params)
+        outs = {rid: [] for rid, *_ in requests}
+        while engine.has_unfinished():
+            for o in engine.step():
+                outs[o.request_id].append(o)
+        return outs
+
+    p = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    for seed in range(50, 80):  # the untrained model's bytes are mostly invalid UTF-8: find a character
+        text = "".join(o.new_text for o in run([("a", _prompt(seed), p)])["a"])
+        stops = [c for c in text[1:-1] if c != "\ufffd"]
+        if stops:
+            break
+    stop, other = stops[0], _prompt(90)
+    (other_alone,), _ = _serve(engine, [other], p)
+    outs = run([("a", _prompt(seed), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop=[stop])),
+                ("b", other, p)])
+    a, b = outs["a"], outs["b"]
+    assert a[-1].finish_reason == "stop" and a[-1].stop_reason == stop
+    assert "".join(o.new_text for o in a) == text[: text.find(stop)]
+    assert sum((o.new_token_ids for o in b), []) == other_alone
+    assert engine._inflight is None and engine.scheduler.num_free_blocks == engine.scheduler.num_blocks
