@@ -30,7 +30,7 @@ def args(model):
     return EngineArgs.of(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=96, block_size=8,
                          swa_bounded_replay=False,
                          kv_cache_memory=4 * probe.bytes_per_slot() + 12 * probe.bytes_per_block(),
-                         token_buckets=(8, 16, 32))
+                         token_buckets=(8, 32))
 
 
 @pytest.fixture(scope="module")
