@@ -219,9 +219,9 @@ def main(argv=None) -> int:
                  "prefill_of_matmul_roofline": flops / rates["matmul_flop_s"] / (ours[conc[0]]["median_ttft_ms"] / 1e3),
                  "decode_of_streaming_floor": {c: decode_weight_bytes(model, c) / rates["stream_bytes_s"]
                                                / (ours[c]["median_tpot_ms"] / 1e3) for c in conc}}
-    result = {"model": _portable(str(args.model)), "workload": {"input_len": args.input_len, "output_len": args.output_len,
-                                                     "token_id_range": token_ids, "seed": args.seed,
-                                                     "num_prompts": args.num_prompts, "our_dtype": args.dtype},
+    workload = {"input_len": args.input_len, "output_len": args.output_len, "token_id_range": token_ids,
+                "seed": args.seed, "num_prompts": args.num_prompts, "our_dtype": args.dtype}
+    result = {"model": _portable(str(args.model)), "workload": workload,
               "rates": rates, "engines": engines, "fractions": fractions, "vllm_skipped": skip}
     print(format_table(result))
     if args.output_json:

@@ -41,6 +41,9 @@ class DataParallelScheduler:
         req.rank = rank
 
     def remove(self, req: Request) -> None:
+        """Take a request out (`Scheduler.remove`); a second removal of a finished request changes nothing."""
+        if req.finished:
+            return
         self.ranks[req.rank].remove(req)
         self.router.finish(req.rank)
 

@@ -300,8 +300,7 @@ class Engine:
 
     def _finish(self, req: Request, reason: str, stop_reason, text: str, new_ids: list[int] | None = None
                 ) -> RequestOutput:
-        if not req.finished:  # a token finish left the scheduler when its step was collected
-            self.scheduler.remove(req)
+        self.scheduler.remove(req)  # a no-op after a token finish: the request left when its step was collected
         del self.requests[req.request_id]
         tail = self._out.pop(req.request_id).flush() if reason != "stop" else ""
         self._prompt_lp.pop(req.request_id, None)

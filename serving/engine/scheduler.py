@@ -122,7 +122,7 @@ class Scheduler:
         return heapq.heappop(self._waiting_heap)[3] if self.by_priority else self._waiting_fcfs.popleft()
 
     def remove(self, req: Request) -> None:
-        """Take a request out wherever it is (abort or finish) and free its blocks and slot."""
+        """Take a request out wherever it is (abort or finish) and free its blocks and slot; a finished one stays so."""
         if req in self.running:
             self.running.remove(req)
             self._release(req)
