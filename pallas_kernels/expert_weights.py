@@ -93,15 +93,6 @@ def decode_tile(kind: str, values_u8: jax.Array, scales_u8: jax.Array, block: tu
     return records.e4m3_to_f32(values_u8) * records.expand_blocks(s, block[1])
 
 
-def expert_matrix(w, e: jax.Array) -> jax.Array:
-    """Expert e's weight [O, In]: float weights as stored, quantized ones decoded to float32."""
-    if not isinstance(w, QuantizedExperts):
-        return jax.lax.dynamic_index_in_dim(w, e, keepdims=False)
-    v = jax.lax.dynamic_index_in_dim(w.values, e, keepdims=False)
-    s = jax.lax.dynamic_index_in_dim(w.scales, e, keepdims=False)
-    return decode_tile(w.kind, v, s, w.block)
-
-
 def reference_dequantize(w) -> jax.Array:
     """All experts [E, O, In] as float32, decoded through XLA's float8_e4m3fn and the e2m1 table."""
     if not isinstance(w, QuantizedExperts):

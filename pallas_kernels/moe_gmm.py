@@ -30,8 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.dispatch import interpret_default, resolve_impl
-from pallas_kernels.expert_weights import (QuantizedExperts, check_experts, decode_tile, expert_matrix,
-                                           reference_dequantize)
+from pallas_kernels.expert_weights import QuantizedExperts, check_experts, decode_tile, reference_dequantize
 
 MIN_DOT = 16  # Triton's smallest dot dimension
 
@@ -148,15 +147,22 @@ def xla_tile(n_pairs: int, n_experts: int) -> int:
     return min(256, max(2, 1 << (per_expert - 1).bit_length()))
 
 
-def xla(x_TD, ids_TK, weights_TK, w1, w3, w2, *, limit: float, out_dtype=jnp.float32, tile: int | None = None):
-    """CPU path: `lax.scan` over row tiles, each multiplying by its expert's (decoded) weights.
+TILES_PER_STEP = 4  # the XLA path's row tiles per map step (see `xla`)
+
+
+def xla(x_TD, ids_TK, weights_TK, w1, w3, w2, *, limit: float, out_dtype=jnp.float32, tile: int | None = None,
+        tiles_per_step: int = TILES_PER_STEP):
+    """CPU path: `lax.map` over steps of `tiles_per_step` row tiles, each tile multiplying by its expert's (decoded)
+    weights, the step's tiles as one batched matmul over their gathered experts.
 
     XLA:CPU's ragged_dot costs about E dense matmuls (jax-notes §4.3); this costs the rows actually routed
     plus at most tile - 1 padding rows per expert. Default tile (`xla_tile`): the mean rows per expert rounded up
     to a power of two. Measured on the peer V4's MoE (64 MXFP4 experts of 128 x 512, top-6, float32, this CPU),
-    ms per layer by tile: 128 tokens 30.1 / 17.5 / 23.3 at 8 / 16 / 32; 512 tokens 46.0 / 28.1 / 58.3 at
-    32 / 64 / 128; 2,048 tokens 162.5 / 111.6 / 107.2 at 32 / 128 / 256 (the old rule, the power of two below the
-    mean capped at 32, picked 8, 32 and 32); 8 tokens (a decode batch) 4.6 / 4.9 / 5.1-7.4 at 2 / 4 / 8.
+    ms per layer by tile, one tile per step: 128 tokens 30.1 / 17.5 / 23.3 at 8 / 16 / 32; 512 tokens 46.0 / 28.1 /
+    58.3 at 32 / 64 / 128; 2,048 tokens 162.5 / 111.6 / 107.2 at 32 / 128 / 256; 8 tokens (a decode batch) 4.6 / 4.9
+    / 5.1-7.4 at 2 / 4 / 8. Several tiles per step (TILES_PER_STEP) give XLA:CPU one batched matmul to spread over
+    its threads instead of a chain of small ones: float32 experts of the same shape, 8 / 32 / 512 tokens, 3.8 /
+    7.2 / 23.8 ms at one tile per step, 2.5 / 4.8 / 17.8-19.7 at four (identical sums: each row's dot is unchanged).
     A step whose (token, choice) pairs' decoded weights fit GATHER_BYTES (a decode step of a few rows of a small
     model) gathers each pair's expert instead: three batched matrix-vector products rather than a scan whose
     steps cost more in overhead than in arithmetic. Measured on the peer V4's MoE (64 MXFP4 experts of
@@ -169,28 +175,41 @@ def xla(x_TD, ids_TK, weights_TK, w1, w3, w2, *, limit: float, out_dtype=jnp.flo
     if tile is None and ids_TK.size * 3 * w1.shape[1] * D * 4 <= GATHER_BYTES:
         return _per_pair(x_TD, ids_TK, weights_TK, w1, w3, w2, limit, out_dtype, cdt)
     tile = tile or xla_tile(ids_TK.size, E)
-    mm = functools.partial(jnp.einsum, "ti,oi->to", preferred_element_type=jnp.float32, precision=_precision(cdt))
+    mm = functools.partial(jnp.einsum, "gti,goi->gto", preferred_element_type=jnp.float32, precision=_precision(cdt))
     layout = group_layout(ids_TK, E, tile)
     xs, rw = _sorted_rows(x_TD.astype(cdt), weights_TK, layout)
     n_t = xs.shape[0] // tile
+    G = max(1, min(tiles_per_step, n_t))
+    n_s, pad = -(-n_t // G), -n_t % G  # the last step's extra tiles are zero rows of expert E - 1
+    xs = jnp.concatenate([xs, jnp.zeros((pad * tile, D), cdt)]).reshape(n_s, G, tile, D)
+    rw = jnp.concatenate([rw, jnp.zeros((pad * tile,), rw.dtype)]).reshape(n_s, G, tile)
+    tile_expert = jnp.concatenate([layout.tile_expert, jnp.full((pad,), E - 1, jnp.int32)]).reshape(n_s, G)
 
-    def one_tile(_, inputs):
-        x_t, rw_t, e, i = inputs
+    def one_step(inputs):
+        x_s, rw_s, e_s, first_tile = inputs
 
         def ffn(_):
-            proj = lambda a, w: mm(a, expert_matrix(w, e).astype(cdt))
-            h = (_swiglu(proj(x_t, w1), proj(x_t, w3), limit) * rw_t[:, None]).astype(cdt)
+            proj = lambda a, w: mm(a, _experts(w, e_s, cdt))  # noqa: E731
+            h = (_swiglu(proj(x_s, w1), proj(x_s, w3), limit) * rw_s[..., None]).astype(cdt)
             return proj(h, w2)
 
-        return None, jax.lax.cond(i < layout.n_tiles[0], ffn, lambda _: jnp.zeros((tile, D), jnp.float32), None)
+        # steps past the last tile holding rows are skipped (the tiles with rows are a prefix)
+        return jax.lax.cond(first_tile < layout.n_tiles[0], ffn, lambda _: jnp.zeros((G, tile, D), jnp.float32),
+                            None)
 
-    _, y = jax.lax.scan(one_tile, None, (xs.reshape(n_t, tile, D), rw.reshape(n_t, tile), layout.tile_expert,
-                                         jnp.arange(n_t, dtype=jnp.int32)))
+    y = jax.lax.map(one_step, (xs, rw, tile_expert, jnp.arange(n_s, dtype=jnp.int32) * G))
     # The output materializes: XLA:CPU would otherwise fuse the combine with the caller's shared expert and
     # residual update into one YNNPACK fusion whose float32 rounding differs from the same ops unfused, so
     # the model's logits would move (~1e-5 on preset small) whenever its experts run elsewhere, e.g.
     # through the mesh dispatch (sharding.expert_dispatch), which cannot be fused with its caller.
-    return jax.lax.optimization_barrier(_combine(y.reshape(-1, D), layout, T, k, out_dtype))
+    return jax.lax.optimization_barrier(_combine(y.reshape(-1, D)[:n_t * tile], layout, T, k, out_dtype))
+
+
+def _experts(w, e: jax.Array, cdt) -> jax.Array:
+    """Experts e's weights [..., O, In] gathered, in the compute dtype (quantized ones decoded)."""
+    if isinstance(w, QuantizedExperts):
+        return decode_tile(w.kind, w.values[e], w.scales[e], w.block).astype(cdt)
+    return w[e].astype(cdt)
 
 
 GATHER_BYTES = 16 << 20  # decoded float32 expert weights a per-pair step may gather at once
@@ -204,15 +223,10 @@ def _per_pair(x_TD, ids_TK, weights_TK, w1, w3, w2, limit: float, out_dtype, cdt
     e = jnp.clip(ids, 0, E - 1)
     rw = jnp.where((ids >= 0) & (ids < E), weights_TK.reshape(-1).astype(jnp.float32), 0.0)
 
-    def gathered(w):
-        if isinstance(w, QuantizedExperts):
-            return decode_tile(w.kind, w.values[e], w.scales[e], w.block).astype(cdt)
-        return w[e].astype(cdt)
-
     mv = functools.partial(jnp.einsum, "pi,poi->po", preferred_element_type=jnp.float32, precision=_precision(cdt))
     x = jnp.repeat(x_TD.astype(cdt), k, axis=0)  # [P, D]
-    h = (_swiglu(mv(x, gathered(w1)), mv(x, gathered(w3)), limit) * rw[:, None]).astype(cdt)
-    y = mv(h, gathered(w2))  # [P, D] float32
+    h = (_swiglu(mv(x, _experts(w1, e, cdt)), mv(x, _experts(w3, e, cdt)), limit) * rw[:, None]).astype(cdt)
+    y = mv(h, _experts(w2, e, cdt))  # [P, D] float32
     return jax.lax.optimization_barrier(jnp.sum(y.reshape(T, k, -1), axis=1).astype(out_dtype))
 
 
