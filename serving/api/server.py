@@ -44,6 +44,9 @@ class ServerArgs:
     compilation_cache_dir: str = field(default=str(Path.home() / ".cache" / "dsv41-jax" / "xla"), metadata={
         "help": "where compiled steps are kept: a restart with the same flags loads them ('' turns it off); one "
                 "device: the programs themselves (executables/, no tracing either), a mesh: JAX's XLA cache"})
+    compilation_cache_max_gb: int = field(default=8, metadata={
+        "help": "bound on that cache's size in GiB: the least recently used programs are deleted beyond it (old "
+                "source versions and configs); 0: no bound"})
     background_compile: bool = field(default=True, metadata={
         "help": "ready once the largest step bucket of each function is compiled; the smaller ones (faster small "
                 "steps) compile in a background thread while serving, steps padding up meanwhile (off: compile "
@@ -54,11 +57,18 @@ class ServerArgs:
         "help": "enables POST /start_profile and /stop_profile: jax.profiler traces written under this folder "
                 "(TensorBoard / XProf / Perfetto)"})
 
+    @property
+    def compilation_cache_max_bytes(self) -> int | None:
+        return self.compilation_cache_max_gb * 2**30 or None
+
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_request_body_bytes < 1:
             raise ValueError(f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}")
+        if self.compilation_cache_max_gb < 0:
+            raise ValueError(f"compilation_cache_max_gb must be >= 0 (0: no bound), got "
+                             f"{self.compilation_cache_max_gb}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         if self.profile_dir is not None and (not self.profile_dir or Path(self.profile_dir).is_file()):

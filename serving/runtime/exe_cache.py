@@ -8,6 +8,10 @@ the config, the runtime settings, the cache layout, the parameter tree - and, pe
 argument tree it is called with; a program whose stored argument tree differs from the call's is not used.
 vLLM keys its torch.compile cache the same way (source hash + config).
 
+The folder is bounded (`max_bytes`, like JAX's `jax_compilation_cache_max_size`): after each write the least
+recently used files (a load counts as a use) are deleted until the rest fit, so programs of old source versions
+and configs do not pile up.
+
 `enable_compilation_cache(path, executables=True)` turns it on for the process (`path/executables`) instead
 of JAX's cache: on jaxlib 0.12 a program that came out of JAX's cache serializes without its code (it loads,
 then fails with "Function ... not found"), so the two are not mixed in one process. One device only: a mesh
@@ -30,12 +34,16 @@ import jax
 from jax.experimental import serialize_executable
 
 _folder: Path | None = None
+_max_bytes: int | None = None
+DEFAULT_MAX_BYTES = 8 << 30
 
 
-def set_folder(folder: str | Path | None) -> None:
-    """Keep one-device runners' programs in `folder` (None: not at all), for runners built after this call."""
-    global _folder
+def set_folder(folder: str | Path | None, max_bytes: int | None = DEFAULT_MAX_BYTES) -> None:
+    """Keep one-device runners' programs in `folder` (None: not at all), for runners built after this call,
+    at most `max_bytes` of them (None: no bound)."""
+    global _folder, _max_bytes
     _folder = Path(folder) if folder else None
+    _max_bytes = max_bytes
 
 
 # the packages whose code becomes the step programs (the server, engine and API only call them)
@@ -75,8 +83,8 @@ class ExecutableCache:
     """One runner's programs (`load` / `save` per bucket) and picklable values (`get_value` / `put_value`: the
     segment carry's shapes, found by tracing otherwise). Anything unreadable is a miss: rebuilt, overwritten."""
 
-    def __init__(self, folder: str | Path, runner_state: str):
-        self.folder = Path(folder)
+    def __init__(self, folder: str | Path, runner_state: str, max_bytes: int | None = DEFAULT_MAX_BYTES):
+        self.folder, self.max_bytes = Path(folder), max_bytes
         self._prefix = hashlib.sha256((_environment() + runner_state).encode()).hexdigest()[:32]
         self.hits = self.misses = 0
 
@@ -84,14 +92,17 @@ class ExecutableCache:
     def for_runner(cls, runner_state: Callable[[], str]) -> ExecutableCache | None:
         """The process's cache (`set_folder`) for one runner's programs, or None when it is off (`runner_state`,
         the runner described for the key, is then not computed: ~40 ms for the default model)."""
-        return cls(_folder, runner_state()) if _folder else None
+        return cls(_folder, runner_state(), _max_bytes) if _folder else None
 
     def _path(self, name: str) -> Path:
         return self.folder / f"{self._prefix}-{hashlib.sha256(name.encode()).hexdigest()[:32]}.pkl"
 
     def _read(self, name: str):
+        path = self._path(name)
         try:
-            return pickle.loads(self._path(name).read_bytes())
+            value = pickle.loads(path.read_bytes())
+            os.utime(path)  # a use: the least recently used files go first
+            return value
         except Exception:  # absent, damaged, or of classes that changed since: a cache miss, never an error
             return None
 
@@ -101,6 +112,8 @@ class ExecutableCache:
         with os.fdopen(fd, "wb") as f:
             pickle.dump(value, f)
         os.replace(tmp, self._path(name))  # atomic: a concurrent reader sees the old file or the new one
+        if self.max_bytes is not None:
+            evict(self.folder, self.max_bytes)
 
     def get_value(self, name: str):
         return self._read(f"value {name}")
@@ -133,3 +146,24 @@ class ExecutableCache:
             warnings.warn(f"bucket {key} not kept in the executable cache: {e}", stacklevel=2)
             return
         self._write(f"program {key!r} {arg_tree(specs)}", entry)
+
+
+def evict(folder: Path, max_bytes: int) -> list[Path]:
+    """Delete the least recently used entries of `folder` until the rest hold at most `max_bytes`; returns them.
+    Files another process deletes meanwhile are skipped (it holds the same bound)."""
+    entries = []
+    for path in folder.glob("*.pkl"):
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            continue
+        entries.append((st.st_mtime_ns, st.st_size, path))
+    total = sum(size for _, size, _ in entries)
+    removed = []
+    for _, size, path in sorted(entries, key=lambda e: e[0]):
+        if total <= max_bytes:
+            break
+        path.unlink(missing_ok=True)
+        total -= size
+        removed.append(path)
+    return removed

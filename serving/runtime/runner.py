@@ -570,15 +570,18 @@ def _bar(done: int, total: int, what: str, seconds: float) -> None:
     sys.stderr.flush()
 
 
-def enable_compilation_cache(path: str | None, *, executables: bool = False) -> None:
+def enable_compilation_cache(path: str | None, *, executables: bool = False,
+                             max_bytes: int | None = exe_cache.DEFAULT_MAX_BYTES) -> None:
     """Keep compiled buckets on disk, so a restart loads instead of recompiling. Process-wide; `None` or ""
     leaves it off. `executables`: one-device runners keep their programs themselves in `path/executables`
     (`serving.runtime.exe_cache`: a restart also skips tracing) and JAX's cache stays off; else JAX's
-    persistent cache of compiled HLO in `path`, which mesh runners need."""
+    persistent cache of compiled HLO in `path`, which mesh runners need. Either keeps at most `max_bytes`,
+    deleting the least recently used programs beyond it (None: no bound)."""
     if not path:
         return
     if executables:
-        exe_cache.set_folder(Path(path) / "executables")
+        exe_cache.set_folder(Path(path) / "executables", max_bytes)
     else:
         jax.config.update("jax_compilation_cache_dir", str(path))
+        jax.config.update("jax_compilation_cache_max_size", -1 if max_bytes is None else max_bytes)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

@@ -3,6 +3,7 @@ one replaces): the second start loads every program and the segment carry's shap
 equal the first start's bit for bit; other settings, or damaged entries, miss and compile."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -64,3 +65,19 @@ def test_restart_loads_every_program_without_tracing(tmp_path):
     again, got = _start(folder, tmp_path)
     assert again == {"hits": 0, "misses": 3}
     np.testing.assert_array_equal(got, want)
+
+
+def test_the_folder_keeps_the_most_recently_used_entries_within_its_bound(tmp_path):
+    """After a write the least recently used entries go until the rest fit; a load counts as a use."""
+    from serving.runtime.exe_cache import ExecutableCache
+
+    unbounded = ExecutableCache(tmp_path, "runner", max_bytes=None)
+    for n, name in enumerate("abcd"):
+        unbounded.put_value(name, b"x" * 10_000)
+        os.utime(unbounded._path(f"value {name}"), ns=(n * 10**9, n * 10**9))  # written at t = 0, 1, 2, 3 s
+    assert unbounded.get_value("a") == b"x" * 10_000  # a use: now the most recent
+    size = unbounded._path("value a").stat().st_size
+    bounded = ExecutableCache(tmp_path, "runner", max_bytes=3 * size + size // 2)
+    bounded.put_value("e", b"x" * 10_000)
+    assert [name for name in "abcde" if bounded.get_value(name) is not None] == ["a", "d", "e"]
+    assert sum(p.stat().st_size for p in tmp_path.glob("*.pkl")) <= bounded.max_bytes

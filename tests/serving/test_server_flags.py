@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 FULL = ["--model", "small", "--served-model-name", "m", "--dtype", "bfloat16", "--no-engram-cpu-offload",
         "--host", "0.0.0.0", "--port", "9000", "--api-key", "k", "--max-request-body-bytes", "1000",
-        "--compilation-cache-dir", "", "--no-background-compile",
+        "--compilation-cache-dir", "", "--compilation-cache-max-gb", "2", "--no-background-compile",
         "--disable-access-log", "--log-level", "debug", "--profile-dir", "traces",
         "--max-num-seqs", "16", "--max-num-batched-tokens", "256", "--max-model-len", "2048", "--block-size", "16",
         "--kv-cache-dtype", "release", "--kv-cache-memory", "1000000", "--no-swa-bounded-replay", "--tile", "4",
@@ -40,7 +40,7 @@ def _sections() -> dict[str, type]:
 def test_a_full_command_line_parses_into_the_sections_and_back():
     got = parse_args(FULL)
     assert got.model == ModelArgs("small", "m", "bfloat16", engram_cpu_offload=False)
-    assert got.server == ServerArgs("0.0.0.0", 9000, "k", 1000, "", False, True, "debug", "traces")
+    assert got.server == ServerArgs("0.0.0.0", 9000, "k", 1000, "", 2, False, True, "debug", "traces")
     assert got.engine == EngineArgs.of(
         max_num_seqs=16, max_num_batched_tokens=256, max_model_len=2048, block_size=16, kv_cache_dtype="release",
         kv_cache_memory=1000000, swa_bounded_replay=False, tile=4, fake_quant=True, max_top_k=64, seed=7,
@@ -95,6 +95,7 @@ def test_help_lists_every_flag_once_grouped_by_section():
     (["--kernel-impl", "cuda"], "--kernel-impl", "invalid choice: 'cuda'"),
     (["--scheduling-policy", "x"], "--scheduling-policy", "invalid choice: 'x'"),
     (["--port", "70000"], "--port", "port must be in [0, 65535]"),
+    (["--compilation-cache-max-gb", "-1"], "--compilation-cache-max-gb", "compilation_cache_max_gb must be >= 0"),
     (["--profile-dir", ""], "--profile-dir", "profile_dir must name a folder, got ''"),
     (["-tp", "3", "-dp", "2", "--enable-expert-parallel", "-ep", "4"], "--expert-parallel-size",
      "must divide the world size 6"),
