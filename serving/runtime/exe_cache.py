@@ -33,9 +33,9 @@ from typing import Callable
 import jax
 from jax.experimental import serialize_executable
 
-_folder: Path | None = None
-_max_bytes: int | None = None
 DEFAULT_MAX_BYTES = 8 << 30
+_folder: Path | None = None
+_max_bytes: int | None = DEFAULT_MAX_BYTES
 
 
 def set_folder(folder: str | Path | None, max_bytes: int | None = DEFAULT_MAX_BYTES) -> None:
@@ -101,17 +101,29 @@ class ExecutableCache:
         path = self._path(name)
         try:
             value = pickle.loads(path.read_bytes())
-            os.utime(path)  # a use: the least recently used files go first
-            return value
         except Exception:  # absent, damaged, or of classes that changed since: a cache miss, never an error
             return None
+        try:
+            os.utime(path)  # a use: the least recently used files go first
+        except OSError:  # e.g. a read-only folder, or evicted meanwhile by another process: still a hit
+            pass
+        return value
 
     def _write(self, name: str, value) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.folder, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            pickle.dump(value, f)
-        os.replace(tmp, self._path(name))  # atomic: a concurrent reader sees the old file or the new one
+        """Store `value`; a folder that cannot be written (read-only, full, not a folder) warns and keeps nothing:
+        the cache never stops a runner."""
+        tmp = None
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.folder, suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                pickle.dump(value, f)
+            os.replace(tmp, self._path(name))  # atomic: a concurrent reader sees the old file or the new one
+        except OSError as e:
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+            warnings.warn(f"executable cache {self.folder}: not written ({e})", stacklevel=3)
+            return
         if self.max_bytes is not None:
             evict(self.folder, self.max_bytes)
 
@@ -148,9 +160,9 @@ class ExecutableCache:
         self._write(f"program {key!r} {arg_tree(specs)}", entry)
 
 
-def evict(folder: Path, max_bytes: int) -> list[Path]:
-    """Delete the least recently used entries of `folder` until the rest hold at most `max_bytes`; returns them.
-    Files another process deletes meanwhile are skipped (it holds the same bound)."""
+def evict(folder: Path, max_bytes: int) -> None:
+    """Delete the least recently used entries of `folder` until the rest hold at most `max_bytes`. Files another
+    process deletes meanwhile are skipped (it holds the same bound)."""
     entries = []
     for path in folder.glob("*.pkl"):
         try:
@@ -159,11 +171,8 @@ def evict(folder: Path, max_bytes: int) -> list[Path]:
             continue
         entries.append((st.st_mtime_ns, st.st_size, path))
     total = sum(size for _, size, _ in entries)
-    removed = []
     for _, size, path in sorted(entries, key=lambda e: e[0]):
         if total <= max_bytes:
             break
         path.unlink(missing_ok=True)
         total -= size
-        removed.append(path)
-    return removed

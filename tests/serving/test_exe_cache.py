@@ -1,6 +1,7 @@
 """The executable cache across restarts (fresh processes: the suite's own process runs JAX's cache, which this
 one replaces): the second start loads every program and the segment carry's shapes without tracing, and its steps
-equal the first start's bit for bit; other settings, or damaged entries, miss and compile."""
+equal the first start's bit for bit; other settings, or damaged entries, miss and compile. The folder keeps to its
+size bound, least recently used entries first; one that cannot be written warns and misses."""
 
 import json
 import os
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tests.conftest import HANG_TIMEOUT_S, xla_env
 
@@ -81,3 +83,14 @@ def test_the_folder_keeps_the_most_recently_used_entries_within_its_bound(tmp_pa
     bounded.put_value("e", b"x" * 10_000)
     assert [name for name in "abcde" if bounded.get_value(name) is not None] == ["a", "d", "e"]
     assert sum(p.stat().st_size for p in tmp_path.glob("*.pkl")) <= bounded.max_bytes
+
+
+def test_a_folder_that_cannot_be_written_warns_and_misses(tmp_path):
+    """A cache that cannot store (here its folder is a file) never stops the runner: a warning, then misses."""
+    from serving.runtime.exe_cache import ExecutableCache
+
+    (tmp_path / "taken").write_text("a file, not a folder")
+    cache = ExecutableCache(tmp_path / "taken", "runner")
+    with pytest.warns(UserWarning, match="not written"):
+        cache.put_value("carry", 1)
+    assert cache.get_value("carry") is None and list(tmp_path.iterdir()) == [tmp_path / "taken"]
