@@ -161,8 +161,10 @@ def xla(x_TD, ids_TK, weights_TK, w1, w3, w2, *, limit: float, out_dtype=jnp.flo
     ms per layer by tile, one tile per step: 128 tokens 30.1 / 17.5 / 23.3 at 8 / 16 / 32; 512 tokens 46.0 / 28.1 /
     58.3 at 32 / 64 / 128; 2,048 tokens 162.5 / 111.6 / 107.2 at 32 / 128 / 256; 8 tokens (a decode batch) 4.6 / 4.9
     / 5.1-7.4 at 2 / 4 / 8. Several tiles per step (TILES_PER_STEP) give XLA:CPU one batched matmul to spread over
-    its threads instead of a chain of small ones: float32 experts of the same shape, 8 / 32 / 512 tokens, 3.8 /
-    7.2 / 23.8 ms at one tile per step, 2.5 / 4.8 / 17.8-19.7 at four (identical sums: each row's dot is unchanged).
+    its threads instead of a chain of small ones (identical sums: each row's dot is unchanged). Float32 experts of
+    the same shape, the layer alone at the default tile: 8 / 32 tokens 3.8 / 7.2 ms at one tile per step, 2.5 / 4.8
+    at four; 512 tokens 23.8-30.0 vs 16.9-31.3 (noisy). In the peer model's step, old and new alternated 5 times:
+    512-token prefill 0.355 -> 0.337 s, batch-8 decode 27.6 -> 22.1 ms.
     A step whose (token, choice) pairs' decoded weights fit GATHER_BYTES (a decode step of a few rows of a small
     model) gathers each pair's expert instead: three batched matrix-vector products rather than a scan whose
     steps cost more in overhead than in arithmetic. Measured on the peer V4's MoE (64 MXFP4 experts of

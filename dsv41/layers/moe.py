@@ -3,7 +3,7 @@ routed_scaling_factor, clamped SwiGLU experts, one shared expert. V4 compat: has
 their experts from `tid2eid[token]` (weights still from the scores).
 
 The routed experts run as a grouped matmul over the (token, choice) pairs sorted by expert
-(`pallas_kernels.moe_gmm`: a scan-tiled XLA path on CPU, a Pallas kernel on GPU), so a token costs its k
+(`pallas_kernels.moe_gmm`: a tiled XLA path on CPU, a Pallas kernel on GPU), so a token costs its k
 experts, not all E.
 """
 

@@ -26,6 +26,7 @@ from serving.api.protocol import ChatCompletionRequest, CompletionRequest
 from serving.engine.async_engine import AsyncEngine, EngineDead
 from serving.engine.profiler import Profiler, ProfilerError
 from serving.engine.scheduler import QueueFull
+from serving.runtime.exe_cache import DEFAULT_MAX_BYTES
 
 log = logging.getLogger("serving.api")
 
@@ -44,7 +45,7 @@ class ServerArgs:
     compilation_cache_dir: str = field(default=str(Path.home() / ".cache" / "dsv41-jax" / "xla"), metadata={
         "help": "where compiled steps are kept: a restart with the same flags loads them ('' turns it off); one "
                 "device: the programs themselves (executables/, no tracing either), a mesh: JAX's XLA cache"})
-    compilation_cache_max_gb: int = field(default=8, metadata={
+    compilation_cache_max_gb: int = field(default=DEFAULT_MAX_BYTES >> 30, metadata={
         "help": "bound on that cache's size in GiB: the least recently used programs are deleted beyond it (old "
                 "source versions and configs); 0: no bound"})
     background_compile: bool = field(default=True, metadata={
