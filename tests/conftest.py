@@ -18,6 +18,7 @@ def xla_env(devices: int = 8) -> dict[str, str]:
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {TEST_XLA_FLAGS}")
 
+import gc
 import tempfile
 from pathlib import Path
 
@@ -32,6 +33,10 @@ XLA_CACHE = Path(tempfile.gettempdir()) / "dsv41-jax-tests-xla"
 # an idle one (the equivalence worker passed 900 s there), so they are an hour.
 HANG_TIMEOUT_S = 3600
 enable_compilation_cache(str(XLA_CACHE))
+# Tracing a model allocates millions of short-lived objects, and at the default thresholds (700, 10, 10) Python's
+# cycle collector runs through them thousands of times a compile: tiny's runtime precompile measured tracing
+# 3.3 -> 2.5 s and lowering 1.6 -> 1.3 s with these (7 alternated runs each). Cycles are still collected.
+gc.set_threshold(20_000, 20, 20)
 
 
 def pytest_addoption(parser):

@@ -9,6 +9,7 @@ import dsv41
 from dsv41.bounded import bounded_logits
 from serving.runtime.config import RuntimeConfig
 from serving.runtime.runner import CompileInServingLoop, Runner
+from tests.full_logits import full_logits
 from tests.serving.driver import Driver, compiled_runner
 
 TOL = 1e-5
@@ -58,7 +59,7 @@ def test_replay_off_any_chunking_equals_full_forward(model, exact, chunks):
     d = Driver(exact)
     d.start("a", _prompt(0, 77))
     got = _run(d, "a", chunks, decode=3)
-    assert _max_err(got, model.logits(np.array(d.reqs["a"].tokens))) <= TOL
+    assert _max_err(got, full_logits(model, d.reqs["a"].tokens)) <= TOL
 
 
 def test_replay_off_prefix_hit_equals_cold_run(model, exact):
@@ -71,7 +72,7 @@ def test_replay_off_prefix_hit_equals_cold_run(model, exact):
     plan = d.start("b", second)
     assert plan.hit_tokens == 80 and plan.replay_start == 80 - 8 * 7  # exact halo L * (W - 1)
     got = _run(d, "b", [32, 32], decode=2)
-    assert _max_err(got, model.logits(np.array(d.reqs["b"].tokens)), rows=range(80, 200)) <= TOL
+    assert _max_err(got, full_logits(model, d.reqs["b"].tokens), rows=range(80, 200)) <= TOL
 
 
 @pytest.mark.parametrize("chunks", [[32, 32, 13], [5, 20, 32, 20], [1] * 6])
@@ -126,7 +127,7 @@ def test_mixed_batch_equals_requests_alone(model, exact):
     outs.append(d.step({"b": 7, "c": 1}))
     for rid, pos_out in (("a", [(18, 0), (39, 1)]), ("b", [(8, 0), (13, 1), (20, 2)]),
                          ("c", [(3, 0), (9, 1), (10, 2)])):
-        full = model.logits(np.array(d.reqs[rid].tokens))
+        full = full_logits(model, d.reqs[rid].tokens)
         for p, step in pos_out:
             np.testing.assert_allclose(outs[step][rid], full[p], atol=TOL, rtol=0)
 
@@ -200,7 +201,7 @@ def test_keep_all_request_is_not_trimmed(model, bounded):
     got = _run(d, "a", [32, 18], decode=1)
     r = d.reqs["a"]
     assert _max_err(got, bounded_logits(model, np.array(r.tokens), chunks=r.schedule, decoder_replay=False)) <= TOL
-    assert _max_err(got, model.logits(np.array(r.tokens))) <= TOL
+    assert _max_err(got, full_logits(model, r.tokens)) <= TOL
 
 
 def test_prefix_hit_plans():
@@ -239,9 +240,10 @@ def test_row_logprobs_of_a_kept_request_match_the_full_forward(model, bounded):
         ch = SeqChunk(slot=r.slot, block_table=d.bm.block_table("a"), token_ids=prompt, start=start, end=end,
                       prompt_logprobs=True)
         out = bounded.step([ch], [None])
-        got.update({start + j: (out.prompt_logprobs[0].logprob[j], out.prompt_logprobs[0].top_ids[j]) for j in range(end - start)})
+        rows = out.prompt_logprobs[0]
+        got.update({start + j: (rows.logprob[j], rows.top_ids[j]) for j in range(end - start)})
         d.bm.commit("a", prompt, end)
-    full = np.asarray(model.logits(np.array(prompt)), np.float64)
+    full = np.asarray(full_logits(model, prompt), np.float64)
     logp = full - np.log(np.exp(full - full.max(1, keepdims=True)).sum(1, keepdims=True)) - full.max(1, keepdims=True)
     for p in range(44):
         assert abs(got[p][0] - logp[p, prompt[p + 1]]) <= 1e-4, p
@@ -256,4 +258,4 @@ def test_model_without_candidate_blocks_runs(model):
     d = Driver(r)
     d.start("a", _prompt(15, 30))
     got = _run(d, "a", [30])
-    assert _max_err(got, m.logits(np.array(d.reqs["a"].tokens))) <= TOL
+    assert _max_err(got, full_logits(m, d.reqs["a"].tokens)) <= TOL

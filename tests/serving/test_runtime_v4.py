@@ -11,6 +11,7 @@ from dsv41.bounded import bounded_logits
 from dsv41.config import load_config
 from serving.runtime.config import RuntimeConfig
 from serving.runtime.runner import Runner
+from tests.full_logits import full_logits
 from tests.serving.driver import Driver, compiled_runner
 from tests.serving.test_runtime import TOL, _max_err, _run, cache_copies
 from tests.serving.test_runtime import _prompt as runtime_prompt
@@ -71,7 +72,7 @@ def test_replay_off_any_chunking_equals_full_forward(model, exact, chunks):
     d = Driver(exact)
     d.start("a", _prompt(0, 300))
     got = _run(d, "a", chunks, decode=3)
-    assert _max_err(got, model.logits(np.array(d.reqs["a"].tokens))) <= TOL
+    assert _max_err(got, full_logits(model, d.reqs["a"].tokens)) <= TOL
 
 
 def test_batched_requests_equal_full_forward(model, exact):
@@ -85,7 +86,7 @@ def test_batched_requests_equal_full_forward(model, exact):
         for rid, out in d.step(work).items():
             got[rid][d.reqs[rid].computed - 1] = out
     for rid in prompts:
-        assert _max_err(got[rid], model.logits(np.array(d.reqs[rid].tokens))) <= TOL, rid
+        assert _max_err(got[rid], full_logits(model, d.reqs[rid].tokens)) <= TOL, rid
 
 
 def test_replay_off_prefix_hit_equals_cold_run(model, exact):
@@ -93,7 +94,7 @@ def test_replay_off_prefix_hit_equals_cold_run(model, exact):
     plan, _ = _hit(d, 4, 270, 40)
     assert plan.hit_tokens == 256 and plan.replay_start == 256 - 4 * 7  # exact halo L * (W - 1)
     got = _run(d, "b", [64, 4], decode=2)
-    assert _max_err(got, model.logits(np.array(d.reqs["b"].tokens)), rows=range(256, 400)) <= TOL
+    assert _max_err(got, full_logits(model, d.reqs["b"].tokens), rows=range(256, 400)) <= TOL
 
 
 def test_replay_on_prefix_hit_equals_bounded_reference(model, bounded):
@@ -111,7 +112,7 @@ def test_replay_on_prefix_hit_equals_bounded_reference(model, bounded):
     ref = bounded_logits(model, np.array(r.tokens), chunks=r.schedule, hit_tokens=256, replay_start=248,
                          decoder_replay=False)
     assert _max_err(got, ref) <= TOL
-    cold = model.logits(np.array(r.tokens))
+    cold = full_logits(model, r.tokens)
     assert _max_err(got, cold, rows=range(300, 310)) > 1e-3  # the bounded replay is approximate: the test can fail
 
 
@@ -128,5 +129,5 @@ def test_background_compile_serves_padded_until_its_bucket_is_ready(model):
     assert r.background_done and set(r.compiled_keys) == set(r.bucket_keys())
     assert r._bucket("seg1", 3, r.buckets.tokens) == 8
     late = d.step({"a": 3})["a"]
-    ref = model.logits(np.array(d.reqs["a"].tokens))
+    ref = full_logits(model, d.reqs["a"].tokens)
     assert max(float(np.abs(early - ref[2]).max()), float(np.abs(late - ref[5]).max())) <= TOL

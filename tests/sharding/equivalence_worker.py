@@ -14,6 +14,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,9 +33,10 @@ PROMPT, DECODE = 16, 3
 def run(*args: str) -> dict:
     """This worker in a subprocess on 8 virtual CPU devices (the calling process may have initialised jax with
     another device count) -> its JSON."""
-    from tests.conftest import HANG_TIMEOUT_S, xla_env
+    from tests.conftest import HANG_TIMEOUT_S, XLA_CACHE, xla_env
 
-    proc = subprocess.run([sys.executable, "-m", "tests.sharding.equivalence_worker", *args], check=False,
+    proc = subprocess.run([sys.executable, "-m", "tests.sharding.equivalence_worker", *args,
+                           "--compilation-cache-dir", str(XLA_CACHE)], check=False,
                           cwd=Path(__file__).resolve().parents[2], env=xla_env(8), capture_output=True, text=True,
                           timeout=HANG_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -56,17 +58,22 @@ def main() -> None:
                                                              "'none' or a comma list)")
     ap.add_argument("--release", action="store_true",
                     help="the model loaded from a quantized release checkpoint, weights kept in FP8 / MXFP4")
+    ap.add_argument("--compilation-cache-dir", default=None,
+                    help="JAX's persistent cache (default: a new temporary folder, so that the runners of one run "
+                         "that compile the same programs compile them once)")
     args = ap.parse_args()
 
     import jax
     import dsv41
     from serving.runtime.kv_cache import smallest_block_size
     from serving.runtime.config import RuntimeConfig
-    from serving.runtime.runner import Runner
+    from serving.runtime.runner import Runner, enable_compilation_cache
     from sharding.mesh import ParallelConfig
     from sharding.model import ShardedModel
     from sharding.runtime import MeshPlacement
 
+    scratch = None if args.compilation_cache_dir else tempfile.TemporaryDirectory(prefix="dsv41-equivalence-xla-")
+    enable_compilation_cache(args.compilation_cache_dir or scratch.name)  # removed with `scratch` at exit
     if jax.device_count() < 8:
         raise SystemExit(f"needs 8 devices, got {jax.device_count()} (XLA_FLAGS not applied?)")
     model = dsv41.random_model(args.preset, seed=1)
@@ -171,7 +178,8 @@ def dp_batches_check(model, sm, rc) -> dict:
     runner.precompile([("seg1", PROMPT), ("seg2", PROMPT)])  # the one bucket: the 3-row decode steps pad to it
     rng = np.random.default_rng(5)
     reqs = {"a": (0, 11), "b": (ranks - 1, 16), "c": (ranks - 1, 5)}  # name -> (rank, prompt length)
-    tokens = {n: [int(t) for t in rng.integers(3, model.config.vocab_size - 1, L + DECODE)] for n, (_, L) in reqs.items()}
+    tokens = {n: [int(t) for t in rng.integers(3, model.config.vocab_size - 1, L + DECODE)]
+              for n, (_, L) in reqs.items()}
     d = Driver(runner)
     for n, (rank, L) in reqs.items():
         d.start(n, tokens[n][:L], rank=rank)
@@ -183,8 +191,9 @@ def dp_batches_check(model, sm, rc) -> dict:
         for n, v in d.step({n: 1 for n in reqs}).items():
             got[n].append(v)
     err = {}
-    for n, (_, L) in reqs.items():
-        ref = model.logits(np.array(tokens[n]))[L - 1:]
+    for n, (_, L) in reqs.items():  # the references padded to the single-request check's length: the model is
+        # causal, so the padding leaves the rows compared unchanged, and no new length is compiled
+        ref = model.logits(np.array(tokens[n] + [tokens[n][-1]] * (PROMPT - L)))[L - 1:L + DECODE]
         err[n] = float(np.abs(np.stack(got[n]) - ref).max())
     swa = np.asarray(runner.cache["swa"][0]).reshape(ranks, rc.max_num_seqs, -1)
     written = sorted((int(r), int(s)) for r, s in zip(*np.nonzero(np.abs(swa).max(axis=-1))))
@@ -194,8 +203,6 @@ def dp_batches_check(model, sm, rc) -> dict:
 
 def release_model(model):
     """`model` written as a quantized release checkpoint and loaded back with its weights in FP8 / MXFP4."""
-    import tempfile
-
     import dsv41
     from dsv41.checkpoint import save_checkpoint
 
