@@ -12,9 +12,13 @@ import numpy as np
 PAD_TO = 64
 
 
-def full_logits(model, tokens) -> np.ndarray:
-    """model.logits of tokens [T] -> [T, vocab], computed at a length that is a multiple of PAD_TO."""
+def full_logits(model, tokens, length: int | None = None) -> np.ndarray:
+    """model.logits of tokens [T] -> [T, vocab], computed at `length` >= T tokens (default: T rounded up to a
+    multiple of PAD_TO)."""
     ids = np.asarray(tokens)
     T = ids.shape[0]
-    padded = np.concatenate([ids, np.full(-T % PAD_TO, ids[-1], ids.dtype)])
+    length = T + -T % PAD_TO if length is None else length
+    if length < T:
+        raise ValueError(f"length {length} is shorter than the {T} tokens")
+    padded = np.concatenate([ids, np.full(length - T, ids[-1], ids.dtype)])
     return model.logits(padded)[:T]

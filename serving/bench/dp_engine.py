@@ -107,7 +107,8 @@ def main() -> None:
     from serving.engine.dp_router import POLICIES
     from serving.runtime.runner import enable_compilation_cache
 
-    enable_compilation_cache(tempfile.mkdtemp(prefix="dp-engine-xla-"))  # the second engine loads the first's steps
+    cache_dir = tempfile.TemporaryDirectory(prefix="dp-engine-xla-")  # removed when main returns
+    enable_compilation_cache(cache_dir.name)  # the second engine loads the first's steps
     model = dsv41.random_model(a.preset, seed=args.runtime.seed)
     res = {"layout": args.parallel.describe(), "workload": {k: getattr(a, k) for k in (
         "sessions", "turns", "prompt_min", "prompt_max", "message_min", "message_max", "answer_min", "answer_max",

@@ -27,6 +27,7 @@ LAYOUTS = {  # name -> (tensor_parallel_size, data_parallel_size, enable_expert_
     "dp2tp4": (4, 2, False, None),  # data-parallel attention, experts tensor-parallel over all 8 devices
 }
 PROMPT, DECODE = 16, 3
+_RELEASE_FOLDERS: list = []  # the release checkpoints' temporary folders, kept until the process exits
 
 
 def run(*args: str) -> dict:
@@ -98,6 +99,7 @@ def main() -> None:
         res = {"prefill_max_abs_err": float(np.abs(got - ref).max())}
         if ref_dispatch is not None:
             res["prefill_vs_one_device_dispatch"] = float(np.abs(got - ref_dispatch).max())
+        runner = None
         if args.decode_layouts == "all" or name in args.decode_layouts.split(","):
             runner = Runner(sm, rc, progress=False, placement=MeshPlacement(sm.mesh))
             got = np.stack(_runtime_session(runner, tokens))
@@ -109,7 +111,7 @@ def main() -> None:
                 res["decode_vs_one_device_dispatch"] = float(np.abs(got - ref_dispatch[PROMPT - 1:]).max())
             res["cache_spec"] = str(runner.cache["swa"][0].sharding.spec)
         if name in args.dp_batches.split(","):
-            res["dp_batches"] = dp_batches_check(model, sm, rc)
+            res["dp_batches"] = dp_batches_check(model, sm, rc, runner)
         if args.release:
             res["shard_bytes"] = shard_bytes_check(sm)
             res["decoded_experts"] = sm.decoded_experts
@@ -160,15 +162,20 @@ def one_ulp_noise(model, tokens, ref) -> float:
         model.refresh()
 
 
-def dp_batches_check(model, sm, rc) -> dict:
+def dp_batches_check(model, sm, rc, runner=None) -> dict:
     """Requests of different lengths on different data-parallel ranks (two on the last rank, none on some),
     prefilled in one step and decoded together: each request's logits are its own single-device ones, and the
-    KV cache holds rows only in the (rank, slot) pairs of the requests (each rank holds only its requests' KV)."""
+    KV cache holds rows only in the (rank, slot) pairs of the requests (each rank holds only its requests' KV).
+    `runner`: this layout's decode-check runner, reused (no second compile of the same steps), else a new one."""
     from serving.runtime.runner import Runner
     from sharding.runtime import MeshPlacement
+    from tests.full_logits import full_logits
     from tests.serving.driver import Driver
 
-    runner = Runner(sm, rc, progress=False, placement=MeshPlacement(sm.mesh))
+    if runner is None:
+        runner = Runner(sm, rc, progress=False, placement=MeshPlacement(sm.mesh))
+    else:  # the decode check's runner, its steps already compiled: a cache of zeros, as a new runner has
+        runner.cache = runner.placement.zeros(runner.layout.shapes(), cache=True)
     ranks = runner.ranks
     runner.precompile([("seg1", PROMPT), ("seg2", PROMPT)])  # the one bucket: the 3-row decode steps pad to it
     rng = np.random.default_rng(5)
@@ -186,9 +193,8 @@ def dp_batches_check(model, sm, rc) -> dict:
         for n, v in d.step({n: 1 for n in reqs}).items():
             got[n].append(v)
     err = {}
-    for n, (_, L) in reqs.items():  # the references padded to the single-request check's length: the model is
-        # causal, so the padding leaves the rows compared unchanged, and no new length is compiled
-        ref = model.logits(np.array(tokens[n] + [tokens[n][-1]] * (PROMPT - L)))[L - 1:L + DECODE]
+    for n, (_, L) in reqs.items():  # the references at the single-request check's length: no new length compiled
+        ref = full_logits(model, tokens[n], length=PROMPT + DECODE)[L - 1:]
         err[n] = float(np.abs(np.stack(got[n]) - ref).max())
     swa = np.asarray(runner.cache["swa"][0]).reshape(ranks, rc.max_num_seqs, -1)
     written = sorted((int(r), int(s)) for r, s in zip(*np.nonzero(np.abs(swa).max(axis=-1))))
@@ -203,9 +209,10 @@ def release_model(model):
     import dsv41
     from dsv41.checkpoint import save_checkpoint
 
-    folder = tempfile.mkdtemp(prefix="dsv41-release-")
-    save_checkpoint(folder, model.config, {p: np.asarray(v) for p, v in model.params.items()}, quantize=True)
-    return dsv41.load(folder)
+    folder = tempfile.TemporaryDirectory(prefix="dsv41-release-")  # the model maps its files: removed at exit
+    _RELEASE_FOLDERS.append(folder)
+    save_checkpoint(folder.name, model.config, {p: np.asarray(v) for p, v in model.params.items()}, quantize=True)
+    return dsv41.load(folder.name)
 
 
 def shard_bytes_check(sm) -> dict:
