@@ -63,9 +63,9 @@ def bare(args, r, profile: bool) -> float:
     """ms per step of `steps` decode steps of the runner (its requests prefilled again each round)."""
     from serving.bench.prefill import bench_decode
 
-    tps = bench_decode(r, args.batch, args.context, args.steps, r.config.vocab_size,
-                       args.profile_dir if profile else None, "bare_decode")
-    return 1000 * args.batch / tps
+    times, _ = bench_decode(r, args.batch, args.context, args.steps, r.config.vocab_size,
+                            args.profile_dir if profile else None, "bare_decode")
+    return 1000 * statistics.median(times)
 
 
 async def _stream(client, url, prompt, steps, log):

@@ -22,12 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 
 from serving.bench import serve, side_by_side
+from serving.bench.roofline import decode_weight_bytes, matmul_rate, prefill_flops, weight_read_rate
 
 # ../shared/peer/README.md, "vLLM" section: an AVX-512 machine, both cores to the worker (start_vllm.sh default)
 RECORDED_VLLM = {1: {"output_throughput": "57-62", "median_ttft_ms": "200-300", "median_tpot_ms": "13-15"},
@@ -58,48 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def machine_rates() -> dict:
     """{"matmul_flop_s": float32 dot rate, "stream_bytes_s": read rate} of this device, medians of 10."""
-    import jax
-    import jax.numpy as jnp
-
-    from serving.bench.prefill import weight_read_rate
-
-    a, b = jnp.ones((1024, 4096), jnp.float32), jnp.ones((4096, 4096), jnp.float32)
-    f = jax.jit(lambda a, b: jnp.dot(a, b, precision=jax.lax.Precision.HIGHEST))
-    f(a, b).block_until_ready()
-    times = []
-    for _ in range(10):
-        t = time.perf_counter()
-        f(a, b).block_until_ready()
-        times.append(time.perf_counter() - t)
-    return {"matmul_flop_s": 2 * 1024 * 4096 * 4096 / statistics.median(times), "stream_bytes_s": weight_read_rate()}
-
-
-def prefill_flops(config, n: int) -> float:
-    """FLOPs of one n-token prefill from position 0: 2 x the parameters a token activates (attention, shared and
-    k routed experts; no embedding) per token, plus each layer's attention (q.k and p.v over the window and the
-    global rows a query reads: CSA min(k, visible), HCA all visible) and the CSA indexer's scores."""
-    import dsv41
-
-    _, shapes = dsv41.abstract_params(config)
-    E, k = config.n_routed_experts, config.num_experts_per_tok
-    active = 0.0
-    for path, a in shapes.items():
-        if path[0] != "layers":
-            continue
-        size = float(a.size)
-        active += size * k / E if "experts" in path else size  # routed experts; shared ones are "shared_experts"
-    flops = 2.0 * active * n
-    H, d, W = config.num_attention_heads, config.head_dim, config.sliding_window
-    for role in config.roles:
-        for t in range(n):
-            rows = min(t + 1, W)
-            if role.compress_ratio:
-                visible = (t + 1) // role.compress_ratio
-                rows += visible if role.attn_kind == "hca" else min(config.index_topk, visible)
-                if role.is_index_source:
-                    flops += 2.0 * config.index_n_heads * config.index_head_dim * visible
-            flops += 4.0 * H * d * rows
-    return flops
+    return {"matmul_flop_s": matmul_rate(), "stream_bytes_s": weight_read_rate()}
 
 
 def run_ours(args, conc: list[int], token_ids: str) -> dict:
@@ -198,7 +157,6 @@ def main(argv=None) -> int:
     conc = [int(c) for c in args.concurrency.split(",")]
     args.log_dir.mkdir(parents=True, exist_ok=True)
     import dsv41
-    from serving.bench.prefill import decode_weight_bytes
 
     config = dsv41.load_config(args.model)
     token_ids = f"10,{min(config.vocab_size, 8000)}"  # the peer client's range: ids its tokenizer has

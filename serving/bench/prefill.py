@@ -5,8 +5,13 @@ For each prompt length, a fresh request (no prefix cache) is prefilled in one st
 submitting the step to having the last row's logits on the host, compilation excluded (every bucket is
 precompiled first), median of `--repeats` runs after one warm-up. Decode: `batch` requests with
 `--decode-context` tokens each decode `--decode-steps` tokens together. Prints a table, writes JSON.
+
+Against this machine's roofline (`serving.bench.roofline`): before each timed prefill a float32 matmul probe,
+before each decode step a streaming probe, so each run is compared with the rate of the same moment (the speed
+of a shared machine drifts 10-30% within minutes). A prefill's fraction = its FLOPs at the probed matmul rate /
+its time; a decode step's ratio = its time / its weight bytes at the probed streaming rate; medians of the runs.
 `--profile-dir DIR`: a `jax.profiler` trace of each measurement's timed runs (one session folder each, named
-after it).
+after it; the probes are in it too).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import time
 import numpy as np
 
 import dsv41
+from serving.bench.roofline import MatmulProbe, StreamProbe, decode_weight_bytes, prefill_flops
 from serving.engine.profiler import profiling
 from serving.runtime.batch import SeqChunk
 from serving.runtime.config import RuntimeConfig
@@ -55,46 +61,10 @@ def _keys(r: Runner, lengths, args, bounded: bool) -> list[tuple]:
     return sorted(keys | {("sample",)})
 
 
-_EXPERT_LEAVES = {"w1", "w2", "w3", "w1_scale", "w2_scale", "w3_scale"}
-
-
-def weight_read_rate(n_bytes: int = 1 << 28, reps: int = 10) -> float:
-    """This device's streaming rate in bytes read per second: a jitted sum over a `n_bytes` float32 array."""
-    import jax
-    import jax.numpy as jnp
-
-    x = jnp.ones((n_bytes // 4,), jnp.float32)
-    f = jax.jit(jnp.sum)
-    f(x).block_until_ready()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        f(x).block_until_ready()
-        times.append(time.perf_counter() - t)
-    return n_bytes / statistics.median(times)
-
-
-def decode_weight_bytes(model, batch: int) -> float:
-    """Parameter bytes a decode step of `batch` tokens reads: every backbone weight once, the embedding rows of
-    the batch, and of each layer's routed experts the expected share touched by uniform routing
-    (E * (1 - (1 - k/E)^batch) of E); the DSpark drafter is not run by a plain decode step."""
-    c = model.config
-    total = 0.0
-    for path, a in model.params.items():
-        if path[0] == "dspark":
-            continue
-        if path == ("embed", "weight"):
-            total += batch * a.nbytes / a.shape[0]
-        elif str(path[-1]) in _EXPERT_LEAVES:
-            E, k = a.shape[0], c.num_experts_per_tok
-            total += a.nbytes * (1 - (1 - k / E) ** batch)
-        else:
-            total += a.nbytes
-    return total
-
-
 def bench_prefill(r: Runner, L: int, repeats: int, bounded: bool, vocab: int, profile_dir: str | None = None,
-                  label: str = "") -> list[float]:
+                  label: str = "", probe: MatmulProbe | None = None) -> tuple[list[float], list[float]]:
+    """(step seconds, matmul FLOP/s probed right before each step; none without `probe`) of `repeats` L-token
+    prefills."""
     def run(i: int) -> float:
         tokens = [int(t) for t in np.random.default_rng(i).integers(3, vocab, L)]
         t = time.perf_counter()
@@ -102,12 +72,19 @@ def bench_prefill(r: Runner, L: int, repeats: int, bounded: bool, vocab: int, pr
         return time.perf_counter() - t
 
     run(0)  # the first run warms caches and allocators
+    times, rates = [], []
     with profiling(profile_dir, label):
-        return [run(i) for i in range(1, repeats + 1)]
+        for i in range(1, repeats + 1):
+            if probe:
+                rates.append(probe())
+            times.append(run(i))
+    return times, rates
 
 
 def bench_decode(r: Runner, B: int, context: int, steps: int, vocab: int, profile_dir: str | None = None,
-                 label: str = "") -> float:
+                 label: str = "", probe: StreamProbe | None = None) -> tuple[list[float], list[float]]:
+    """(step seconds, streaming bytes/s probed right before each step; none without `probe`) of `steps` decode
+    steps of B requests."""
     seqs = [[int(t) for t in np.random.default_rng(100 + s).integers(3, vocab, context)] for s in range(B)]
     for s in range(B):
         r.forward([_chunk(r, s, seqs[s], 0, context, True)])
@@ -123,9 +100,13 @@ def bench_decode(r: Runner, B: int, context: int, steps: int, vocab: int, profil
         return time.perf_counter() - t
 
     step()  # the first step warms caches and allocators
+    times, rates = [], []
     with profiling(profile_dir, label):
-        times = [step() for _ in range(steps)]
-    return B / statistics.median(times)
+        for _ in range(steps):
+            if probe:
+                rates.append(probe())
+            times.append(step())
+    return times, rates
 
 
 def main(argv=None) -> int:
@@ -152,38 +133,50 @@ def main(argv=None) -> int:
     model = (dsv41.random_model(args.model, dtype=args.dtype) if args.model in dsv41.PRESETS
              else dsv41.load(args.model, dtype=args.dtype, weights=args.weights))
     vocab = model.config.vocab_size
+    matmul, stream = MatmulProbe(), StreamProbe()
     result = {"model": args.model, "dtype": args.dtype, "repeats": args.repeats, "prefill": {}, "decode": {},
-              "compile_seconds": {}, "weight_read_bytes_per_s": weight_read_rate()}
+              "compile_seconds": {}}
     for bounded in (False, True):
         mode = "replay_on" if bounded else "replay_off"
         r = _runner(model, args, lengths, bounded)
         result["compile_seconds"][mode] = round(r.precompile(_keys(r, lengths, args, bounded)), 1)
         for L in lengths:
-            times = bench_prefill(r, L, args.repeats, bounded, vocab, args.profile_dir, f"prefill_{L}_{mode}")
-            result["prefill"].setdefault(str(L), {})[mode] = {"median_s": statistics.median(times), "runs_s": times}
+            times, rates = bench_prefill(r, L, args.repeats, bounded, vocab, args.profile_dir,
+                                         f"prefill_{L}_{mode}", matmul)
+            flops = prefill_flops(model.config, L)
+            result["prefill"].setdefault(str(L), {"gflop": flops / 1e9})[mode] = {
+                "median_s": statistics.median(times), "runs_s": times, "matmul_flop_s": rates,
+                "of_matmul_roofline": statistics.median(flops / f / t for f, t in zip(rates, times))}
         if bounded:
             for B in args.decode_batches:
-                tps = bench_decode(r, B, args.decode_context, args.decode_steps, vocab, args.profile_dir,
-                                   f"decode_batch{B}")
-                floor = decode_weight_bytes(model, B) / result["weight_read_bytes_per_s"]
-                result["decode"][str(B)] = {"tokens_per_s": tps, "step_s": B / tps,
-                                            "weight_bytes_per_step": decode_weight_bytes(model, B),
-                                            "weight_read_floor_s": floor, "step_over_floor": B / tps / floor}
+                times, rates = bench_decode(r, B, args.decode_context, args.decode_steps, vocab,
+                                            args.profile_dir, f"decode_batch{B}", stream)
+                nbytes = decode_weight_bytes(model, B)
+                result["decode"][str(B)] = {
+                    "step_s": statistics.median(times), "tokens_per_s": B / statistics.median(times),
+                    "runs_s": times, "stream_bytes_s": rates, "weight_bytes_per_step": nbytes,
+                    "weight_read_floor_s": nbytes / statistics.median(rates),
+                    "step_over_floor": statistics.median(t * f / nbytes for f, t in zip(rates, times))}
         del r
-    lines = [f"prefill, {args.model} ({args.dtype}), median of {args.repeats} after warm-up, compile excluded",
-             f"{'tokens':>7} {'replay off (s)':>15} {'replay on (s)':>14} {'on/off':>7}"]
+    lines = [f"prefill, {args.model} ({args.dtype}), median of {args.repeats} after warm-up, compile excluded; "
+             f"roofline = the prefill's FLOPs at the float32 matmul rate probed before each run",
+             f"{'tokens':>7} {'GFLOP':>7} {'replay off (s)':>15} {'of roofline':>12} {'replay on (s)':>14} "
+             f"{'of roofline':>12} {'on/off':>7}"]
     for L in lengths:
         p = result["prefill"][str(L)]
-        p["ratio"] = p["replay_on"]["median_s"] / p["replay_off"]["median_s"]
-        off, on = p["replay_off"]["median_s"], p["replay_on"]["median_s"]
-        lines.append(f"{L:>7} {off:>15.3f} {on:>14.3f} {p['ratio']:>7.2f}")
-    lines += ["", (f"decode, context {args.decode_context}; floor = the step's weight bytes at this device's "
-                   f"measured streaming rate ({result['weight_read_bytes_per_s'] / 1e9:.0f} GB/s)"),
-              f"{'batch':>7} {'tokens/s':>10} {'step ms':>9} {'weights MB':>11} {'floor ms':>9} {'step/floor':>11}"]
+        off, on = p["replay_off"], p["replay_on"]
+        p["ratio"] = on["median_s"] / off["median_s"]
+        lines.append(f"{L:>7} {p['gflop']:>7.1f} {off['median_s']:>15.3f} {off['of_matmul_roofline']:>12.1%} "
+                     f"{on['median_s']:>14.3f} {on['of_matmul_roofline']:>12.1%} {p['ratio']:>7.2f}")
+    lines += ["", (f"decode, context {args.decode_context}; floor = the step's weight bytes at the streaming rate "
+                   f"probed before each step"),
+              f"{'batch':>7} {'tokens/s':>10} {'step ms':>9} {'weights MB':>11} {'GB/s':>6} {'floor ms':>9} "
+              f"{'step/floor':>11}"]
     for B in args.decode_batches:
         d = result["decode"][str(B)]
-        lines.append(f"{B:>7} {d['tokens_per_s']:>10.1f} {d['step_s'] * 1e3:>9.2f} {d['weight_bytes_per_step'] / 1e6:>11.1f}"
-                     f" {d['weight_read_floor_s'] * 1e3:>9.3f} {d['step_over_floor']:>11.1f}")
+        lines.append(f"{B:>7} {d['tokens_per_s']:>10.1f} {d['step_s'] * 1e3:>9.2f} "
+                     f"{d['weight_bytes_per_step'] / 1e6:>11.1f} {statistics.median(d['stream_bytes_s']) / 1e9:>6.0f} "
+                     f"{d['weight_read_floor_s'] * 1e3:>9.3f} {d['step_over_floor']:>11.1f}")
     print("\n".join(lines))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

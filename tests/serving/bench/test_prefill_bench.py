@@ -1,9 +1,10 @@
-"""`serving.bench.prefill`'s decode floor: the weight bytes a decode step reads and the measured streaming rate."""
+"""`serving.bench.roofline`, what `serving.bench.prefill` and `peers` compare our steps with: the weight bytes a decode
+step reads, the measured streaming and matmul rates."""
 
 import numpy as np
 
 import dsv41
-from serving.bench.prefill import decode_weight_bytes, weight_read_rate
+from serving.bench.roofline import MatmulProbe, decode_weight_bytes, weight_read_rate
 
 
 def test_decode_reads_every_backbone_weight_and_the_touched_share_of_the_experts():
@@ -24,3 +25,9 @@ def test_decode_reads_every_backbone_weight_and_the_touched_share_of_the_experts
 def test_streaming_rate_is_measured():
     rate = weight_read_rate(1 << 22, reps=3)
     assert 1e8 < rate < 1e14
+
+
+def test_matmul_rate_is_probed_each_call():
+    probe = MatmulProbe()
+    rates = [probe() for _ in range(2)]
+    assert all(1e8 < r < 1e16 for r in rates) and rates[0] != rates[1]  # a new timing each call
