@@ -81,7 +81,7 @@ def test_runtime_prefill_with_trimming_and_decode_match_dequantize_at_load(tiny_
     outs = []
     for weights in ("release", "dequantize"):
         runner = Runner(dsv41.load(tiny_dir, weights=weights), rc, progress=False)
-        runner.precompile()
+        runner.precompile([("seg1", 8), ("seg1", 32), ("seg2", 8)])  # the chunks below (seg2: the trimmed rows)
         d = Driver(runner)
         d.start("a", prompt)
         got = [d.step({"a": n})["a"] for n in (32, 32, 6)]  # last chunk trims the decoder layers

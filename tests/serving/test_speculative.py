@@ -32,7 +32,8 @@ def runner(model):
     rc = RuntimeConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64, block_size=8,
                        token_buckets=(4, 32), swa_bounded_replay=False, speculative_config='{"method": "dspark"}')
     r = Runner(model, rc, progress=False)
-    r.precompile()
+    # what the tests run: one speculative request per step (the batched verify steps are the engine tests')
+    r.precompile([("seg1", 4), ("seg1", 32), ("seg2", 4), ("seg2", 32), ("snapshot", 1), ("spec", 1)])
     return r
 
 
@@ -202,7 +203,7 @@ def test_served_rejection_sampling_matches_the_model_distribution():
     r = Runner(model, RuntimeConfig(max_num_seqs=R, max_num_batched_tokens=128, max_model_len=32, block_size=8,
                                     token_buckets=(128,), swa_bounded_replay=False,
                                     speculative_config='{"method": "dspark"}'), progress=False)
-    r.precompile()
+    r.precompile([("seg1", 128), ("seg2", 128), ("snapshot", R), ("spec", R)])  # the steps of R requests
     prompt = [3, 7, 11]
     pairs = []
     for batch in range(50):
