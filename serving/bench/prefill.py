@@ -6,7 +6,7 @@ submitting the step to having the last row's logits on the host, compilation exc
 precompiled first), median of `--repeats` runs after one warm-up. Decode: `batch` requests with
 `--decode-context` tokens each decode `--decode-steps` tokens together. Prints a table, writes JSON.
 
-Against this machine's roofline (`serving.bench.roofline`): before each timed prefill a float32 matmul probe,
+Against this machine's roofline (`serving.bench.roofline`): before each timed prefill a matmul probe (`--dtype`),
 before each decode step a streaming probe, so each run is compared with the rate of the same moment (the speed
 of a shared machine drifts 10-30% within minutes). A prefill's fraction = its FLOPs at the probed matmul rate /
 its time; a decode step's ratio = its time / its weight bytes at the probed streaming rate; medians of the runs.
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
     model = (dsv41.random_model(args.model, dtype=args.dtype) if args.model in dsv41.PRESETS
              else dsv41.load(args.model, dtype=args.dtype, weights=args.weights))
     vocab = model.config.vocab_size
-    matmul, stream = MatmulProbe(), StreamProbe()
+    matmul, stream = MatmulProbe(args.dtype), StreamProbe()
     result = {"model": args.model, "dtype": args.dtype, "repeats": args.repeats, "prefill": {}, "decode": {},
               "compile_seconds": {}}
     for bounded in (False, True):
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
                     "step_over_floor": statistics.median(t * f / nbytes for f, t in zip(rates, times))}
         del r
     lines = [f"prefill, {args.model} ({args.dtype}), median of {args.repeats} after warm-up, compile excluded; "
-             f"roofline = the prefill's FLOPs at the float32 matmul rate probed before each run",
+             f"roofline = the prefill's FLOPs at the {args.dtype} matmul rate probed before each run",
              f"{'tokens':>7} {'GFLOP':>7} {'replay off (s)':>15} {'of roofline':>12} {'replay on (s)':>14} "
              f"{'of roofline':>12} {'on/off':>7}"]
     for L in lengths:

@@ -1,5 +1,5 @@
-"""This machine's roofline and what a step of the model needs from it: the float32 matmul rate, the weight-streaming
-rate, a prefill's FLOPs and a decode step's weight bytes. `serving.bench.prefill` (the bare steps) and
+"""This machine's roofline and what a step of the model needs from it: the matmul rate, the weight-streaming rate,
+a prefill's FLOPs and a decode step's weight bytes. `serving.bench.prefill` (the bare steps) and
 `serving.bench.peers` (the served engine) quote our times as fractions of these.
 
 The probes are short on purpose: this machine's speed drifts 10-30% within minutes (shared cores), so a bench
@@ -12,22 +12,23 @@ from __future__ import annotations
 import statistics
 import time
 
-# The matmul probe: a [M, K] x [K, N] float32 dot, large enough to run at the BLAS rate, short enough (~0.1-0.2 s
+# The matmul probe: a [M, K] x [K, N] dot, large enough to run at the BLAS rate, short enough (~0.1-0.2 s
 # on 2 cores) to take one before every timed run.
 M, K, N = 1024, 4096, 4096
 _EXPERT_LEAVES = {"w1", "w2", "w3", "w1_scale", "w2_scale", "w3_scale"}
 
 
 class MatmulProbe:
-    """`probe()` -> this device's float32 matmul rate in FLOP/s now: one timed [M, K] x [K, N] dot (compiled and
-    run once when built)."""
+    """`probe()` -> this device's matmul rate in FLOP/s now: one timed [M, K] x [K, N] dot in `dtype` (the model's
+    compute dtype; float32 at full precision, no TF32), compiled and run once when built."""
 
-    def __init__(self):
+    def __init__(self, dtype: str = "float32"):
         import jax
         import jax.numpy as jnp
 
-        self._a, self._b = jnp.ones((M, K), jnp.float32), jnp.ones((K, N), jnp.float32)
-        self._dot = jax.jit(lambda a, b: jnp.dot(a, b, precision=jax.lax.Precision.HIGHEST))
+        self._a, self._b = jnp.ones((M, K), dtype), jnp.ones((K, N), dtype)
+        precision = jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+        self._dot = jax.jit(lambda a, b: jnp.dot(a, b, precision=precision))
         self._dot(self._a, self._b).block_until_ready()
 
     def __call__(self) -> float:
@@ -36,9 +37,9 @@ class MatmulProbe:
         return 2.0 * M * K * N / (time.perf_counter() - t)
 
 
-def matmul_rate(reps: int = 10) -> float:
-    """The median of `reps` matmul probes, FLOP/s."""
-    probe = MatmulProbe()
+def matmul_rate(reps: int = 10, dtype: str = "float32") -> float:
+    """The median of `reps` matmul probes in `dtype`, FLOP/s."""
+    probe = MatmulProbe(dtype)
     return statistics.median(probe() for _ in range(reps))
 
 

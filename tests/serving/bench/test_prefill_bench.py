@@ -2,6 +2,7 @@
 step reads, the measured streaming and matmul rates."""
 
 import numpy as np
+import pytest
 
 import dsv41
 from serving.bench.roofline import MatmulProbe, decode_weight_bytes, weight_read_rate
@@ -27,7 +28,8 @@ def test_streaming_rate_is_measured():
     assert 1e8 < rate < 1e14
 
 
-def test_matmul_rate_is_probed_each_call():
-    probe = MatmulProbe()
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_matmul_rate_is_probed_each_call(dtype):
+    probe = MatmulProbe(dtype)
     rates = [probe() for _ in range(2)]
     assert all(1e8 < r < 1e16 for r in rates) and rates[0] != rates[1]  # a new timing each call
