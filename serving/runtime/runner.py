@@ -137,7 +137,7 @@ class Runner:
                                            fmt=rc.kv_cache_dtype, dtype=model.dtype.name, draft_stages=draft_stages)
         self.placement = placement
         self.ranks = placement.ranks if placement else 1
-        self.cache = placement.zeros(self.layout.shapes(), cache=True) if placement else kv_cache.allocate(self.layout)
+        self.cache = self.fresh_cache()
         self.max_blocks = -(-rc.max_model_len // block_size)
         self.decoder_replay = c.family == "v41"  # V4 has no CED cut: no chunk is trimmed
         ladder = tuple(sorted(rc.token_buckets)) if rc.token_buckets else token_ladder(rc.max_num_batched_tokens,
@@ -365,6 +365,12 @@ class Runner:
     def compiled_keys(self) -> list[tuple]:
         """The bucket keys compiled so far (see `bucket_keys`)."""
         return list(self._exe.copy())  # the background compiler may be adding to it
+
+    def fresh_cache(self) -> dict:
+        """A KV cache of zeros as at start-up (each rank's layout on its devices): the compiled steps take it as they
+        take the current one."""
+        p = self.placement
+        return p.zeros(self.layout.shapes(), cache=True) if p else kv_cache.allocate(self.layout)
 
     def compiled_text(self, key: tuple) -> str:
         """The optimised HLO of a compiled bucket (what XLA runs), e.g. to check for sorts or collectives."""

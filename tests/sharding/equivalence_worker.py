@@ -175,7 +175,7 @@ def dp_batches_check(model, sm, rc, runner=None) -> dict:
     if runner is None:
         runner = Runner(sm, rc, progress=False, placement=MeshPlacement(sm.mesh))
     else:  # the decode check's runner, its steps already compiled: a cache of zeros, as a new runner has
-        runner.cache = runner.placement.zeros(runner.layout.shapes(), cache=True)
+        runner.cache = runner.fresh_cache()
     ranks = runner.ranks
     runner.precompile([("seg1", PROMPT), ("seg2", PROMPT)])  # the one bucket: the 3-row decode steps pad to it
     rng = np.random.default_rng(5)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import dsv41
-from serving.bench.roofline import MatmulProbe, decode_weight_bytes, weight_read_rate
+from serving.bench.roofline import MatmulProbe, decode_weight_bytes, prefill_flops, weight_read_rate
 
 
 def test_decode_reads_every_backbone_weight_and_the_touched_share_of_the_experts():
@@ -33,3 +33,20 @@ def test_matmul_rate_is_probed_each_call(dtype):
     probe = MatmulProbe(dtype)
     rates = [probe() for _ in range(2)]
     assert all(1e8 < r < 1e16 for r in rates) and rates[0] != rates[1]  # a new timing each call
+
+
+def test_prefill_flops_count_the_active_parameters_and_what_the_first_token_attends():
+    """One token: 2 x the layers' parameters it activates (the routed experts' k of E, from the model's own
+    arrays), plus per layer q.k and p.v over the rows it sees - its own window row, and in a ratio-1 compressed
+    layer its own global row too (a ratio-2 group has not closed yet) - and an index source's score of that row."""
+    m = dsv41.random_model("tiny", seed=0)
+    c = m.config
+    scale = c.num_experts_per_tok / c.n_routed_experts
+    active = sum(a.size * (scale if "experts" in p else 1) for p, a in m.params.items() if p[0] == "layers")
+    H, d = c.num_attention_heads, c.head_dim
+    attention = sum(4 * H * d * (1 + (r.compress_ratio == 1))
+                    + (r.compress_ratio == 1 and r.is_index_source) * 2 * c.index_n_heads * c.index_head_dim
+                    for r in c.roles)
+    assert {r.compress_ratio for r in c.roles} == {0, 1, 2}  # every case above occurs
+    np.testing.assert_allclose(prefill_flops(c, 1), 2 * active + attention, rtol=1e-12)
+    assert prefill_flops(c, 64) > 64 * prefill_flops(c, 1)  # later tokens attend to more rows
