@@ -8,6 +8,7 @@ parameter leaves (the graph definition is static), so repeated calls pay no NNX 
 from __future__ import annotations
 
 import functools
+import time
 from pathlib import Path
 
 import jax
@@ -275,18 +276,41 @@ def auto_dtype(entries: dict, *, release: bool | None = None) -> jnp.dtype:
     """The compute dtype `--dtype auto` picks for a checkpoint's tensors (`{name: TensorEntry}`).
 
     Rule: the checkpoint's dtype - bfloat16 for a release checkpoint (FP8 / MXFP4 / BF16 tensors; `release`
-    says it without entries, e.g. for a preset), float32 for one stored in float32 - except on a CPU backend,
-    where it is float32: the served steps are matrix-vector products at decode, which XLA:CPU runs in bfloat16
-    far slower than in float32 even with native bf16 instructions (measured on the peer V4 checkpoint on an
-    AVX512-BF16 machine: a batch-1 decode step 47.7 ms in bf16 vs 21.0 ms in f32, a 512-token prefill 0.71 s vs
-    0.64 s; without them, on AVX2, bf16 matmuls are emulated and slower still)."""
+    says it without entries, e.g. for a preset), float32 for one stored in float32 - except that on a CPU backend
+    bfloat16 is used only where this CPU runs XLA's bfloat16 matmuls clearly faster than float32 ones
+    (`cpu_prefers_bfloat16`). XLA:CPU hands bf16 dots of 2+ rows to YNNPACK, which uses AMX or AVX512-BF16 where
+    the CPU has them (on this AMX machine a [1024, 4096] x [4096, 4096] dot ran at 1,255 GFLOP/s in bf16 vs 271
+    in f32); without them bf16 is converted and slower than f32 (on an AVX2 machine 98-111 vs 131-159 GFLOP/s)."""
     stored = {e.dtype for e in entries.values()}
     wants_bf16 = bool(stored & {"BF16", "F16", "F8_E4M3", "I8"}) if release is None else release
-    return jnp.dtype(jnp.bfloat16 if wants_bf16 and not _on_cpu() else jnp.float32)
+    return jnp.dtype(jnp.bfloat16 if wants_bf16 and (not _on_cpu() or cpu_prefers_bfloat16()) else jnp.float32)
 
 
 def _on_cpu() -> bool:
     return jax.default_backend() == "cpu"
+
+
+BF16_MARGIN = 1.25  # bfloat16 must beat float32 by this factor: a near tie stays float32
+
+
+@functools.cache
+def cpu_prefers_bfloat16() -> bool:
+    """Whether XLA:CPU runs a [256, 2048] x [2048, 2048] matmul at least BF16_MARGIN x faster in bfloat16 than in
+    float32 on this machine (best of 3 each, once per process, ~0.2 s). On this AMX machine: 2.3 vs 9.3 ms; the
+    decode-sized dots of 2+ rows gain too ([8, 4096] x [4096, 4096]: 2.1 vs 7.4 ms), while a 1-row bf16 dot misses
+    YNNPACK (18.9 ms), so the runtime pads a batch of one (`serving.runtime.runner._smallest_bucket`)."""
+    def best_seconds(dtype) -> float:
+        x, w = jnp.ones((256, 2048), dtype), jnp.ones((2048, 2048), dtype)
+        dot = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32))
+        dot(x, w).block_until_ready()
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            dot(x, w).block_until_ready()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    return best_seconds(jnp.float32) >= BF16_MARGIN * best_seconds(jnp.bfloat16)
 
 
 def random_model(config: ModelConfig | str, seed: int = 0, dtype: str | jnp.dtype = "float32",

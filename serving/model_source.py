@@ -29,8 +29,9 @@ class ModelArgs:
         "help": "model id clients send (default: the folder or preset name)"})
     dtype: str = field(default="auto", metadata={"choices": DTYPES, "help": (
         "compute dtype; auto = the checkpoint's (bfloat16 for a release checkpoint and the full-size presets, "
-        "float32 for one stored in float32 and the test presets), but float32 on a CPU backend, where XLA's bf16 "
-        "decode steps are slower (dsv41.auto_dtype)")})
+        "float32 for one stored in float32 and the test presets); on a CPU backend bfloat16 only where this CPU "
+        "runs XLA's bf16 matmuls faster than float32 ones (AMX / AVX512-BF16; measured at start-up, "
+        "dsv41.auto_dtype)")})
     engram_cpu_offload: bool = field(default=True, metadata={
         "help": "keep a checkpoint's FP8 Engram tables in host memory, mapped from its files and shared by every "
                 "process on the host; each step gathers only its rows (vLLM's engram cpu_offload). Tables that "

@@ -113,12 +113,14 @@ def test_formats_read_off_the_parameters_are_those_of_the_checkpoint(tiny_dir):
     assert model.num_parameters == dsv41.load(tiny_dir, weights="dequantize").num_parameters
 
 
-@pytest.mark.parametrize("on_cpu", [True, False])
-def test_dtype_auto_follows_the_checkpoint_and_the_backend(tiny_dir, tmp_path, monkeypatch, on_cpu):
+@pytest.mark.parametrize("on_cpu, fast_bf16", [(True, False), (True, True), (False, False)])
+def test_dtype_auto_follows_the_checkpoint_and_the_backend(tiny_dir, tmp_path, monkeypatch, on_cpu, fast_bf16):
     monkeypatch.setattr(api, "_on_cpu", lambda: on_cpu)
+    monkeypatch.setattr(api, "cpu_prefers_bfloat16", lambda: fast_bf16)
     m = dsv41.random_model("tiny", seed=3)
     write_release(tmp_path, m, quantize=False)
-    assert dsv41.load(tiny_dir, dtype="auto").dtype == (np.float32 if on_cpu else ml_dtypes.bfloat16)
+    bf16 = fast_bf16 or not on_cpu
+    assert dsv41.load(tiny_dir, dtype="auto").dtype == (ml_dtypes.bfloat16 if bf16 else np.float32)
     assert dsv41.load(tmp_path, dtype="auto").dtype == np.float32  # stored in float32
     with pytest.raises(ValueError, match="dtype must be one of"):
         dsv41.load(tiny_dir, dtype="float16")

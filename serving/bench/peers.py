@@ -12,7 +12,8 @@ concurrency after its warm-up requests, one engine at a time so each has the cor
 says why and shows ../shared/peer's recorded vLLM figures, marked as recorded (another machine, another day).
 
 Rates (jitted in this process before any server starts): the matmul rate is the median of a [1024, 4096] x
-[4096, 4096] float32 dot; the streaming rate a jitted sum over 256 MiB. Our prefill fraction = (the model's
+[4096, 4096] dot in our compute dtype (--dtype, "auto" resolved here once and passed to our server as the dtype it
+picked); the streaming rate a jitted sum over 256 MiB. Our prefill fraction = (the model's
 prefill FLOPs for input_len tokens / matmul rate) / our c=1 median TTFT; decode fraction = (the weight bytes a
 decode step of c rows reads / streaming rate) / our median TPOT at concurrency c.
 """
@@ -46,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-warmups", type=int, default=2)
-    p.add_argument("--dtype", default="auto", help="our server's --dtype (auto: float32 on a CPU)")
+    p.add_argument("--dtype", default="auto",
+                   help="our server's --dtype (auto: the checkpoint's; float32 on a CPU without fast bf16 matmuls)")
     p.add_argument("--hf-dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--hf-threads", type=int, default=os.cpu_count())
     p.add_argument("--server-arg", action="append", default=[], help="extra argument of our server (repeatable)")
@@ -56,9 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def machine_rates() -> dict:
-    """{"matmul_flop_s": float32 dot rate, "stream_bytes_s": read rate} of this device, medians of 10."""
-    return {"matmul_flop_s": matmul_rate(), "stream_bytes_s": weight_read_rate()}
+def machine_rates(dtype: str) -> dict:
+    """{"matmul_flop_s": the dot rate in our compute dtype, "stream_bytes_s": read rate} of this device, medians of
+    10."""
+    return {"matmul_dtype": dtype, "matmul_flop_s": matmul_rate(dtype=dtype), "stream_bytes_s": weight_read_rate()}
 
 
 def run_ours(args, conc: list[int], token_ids: str) -> dict:
@@ -123,7 +126,8 @@ def format_table(result: dict) -> str:
     w, r = result["workload"], result["rates"]
     lines = [f"workload: {w['input_len']} in / {w['output_len']} out, token ids {w['token_id_range']}, "
              f"seed {w['seed']}; model {result['model']}",
-             f"machine: matmul {r['matmul_flop_s'] / 1e9:.1f} GFLOP/s (float32), weight streaming "
+             f"machine: matmul {r['matmul_flop_s'] / 1e9:.1f} GFLOP/s ({r.get('matmul_dtype', 'float32')}), "
+             f"weight streaming "
              f"{r['stream_bytes_s'] / 1e9:.1f} GB/s",
              f"{'engine':<16} {'c':>3} " + " ".join(f"{label:>10}" for _, label in METRICS) + "   ours/peer out tok/s"]
     ours = result["engines"]["ours"]["runs"]
@@ -160,7 +164,9 @@ def main(argv=None) -> int:
 
     config = dsv41.load_config(args.model)
     token_ids = f"10,{min(config.vocab_size, 8000)}"  # the peer client's range: ids its tokenizer has
-    rates = machine_rates()
+    model = dsv41.load(args.model, dtype=args.dtype)  # "auto" resolved once here; our server gets the result
+    args.dtype = model.dtype.name
+    rates = machine_rates(args.dtype)
     print(f"rates: {json.dumps(rates)}", flush=True)
     engines = {"ours": run_ours(args, conc, token_ids)}
     print("ours done", flush=True)
@@ -170,7 +176,6 @@ def main(argv=None) -> int:
         engines["vllm"] = run_vllm(args, conc, token_ids)
     else:
         engines["vllm (recorded)"] = {"runs": {c: RECORDED_VLLM[c] for c in conc if c in RECORDED_VLLM}}
-    model = dsv41.load(args.model, dtype="float32")
     ours = engines["ours"]["runs"]
     flops = prefill_flops(config, args.input_len)
     fractions = {"prefill_gflop": flops / 1e9,

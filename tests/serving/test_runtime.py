@@ -167,6 +167,16 @@ def test_unprecompiled_bucket_is_an_error(model):
     assert r.compiled_keys == []  # refused before compiling anything
 
 
+def test_bfloat16_on_a_cpu_never_runs_a_one_row_step(model):
+    """XLA:CPU runs a 1-row bf16 dot ~10x slower than a 2-row one (it misses YNNPACK): a bf16 runner's steps are
+    at least 2 rows, a float32 one keeps 1."""
+    rc = RuntimeConfig(**{**RC, "token_buckets": (1, 8, 32)})
+    bf16 = dsv41.random_model("tiny", seed=1, dtype="bfloat16")
+    assert Runner(bf16, rc, progress=False).buckets.tokens == (2, 8, 32)
+    assert Runner(bf16, RuntimeConfig(**{**RC, "token_buckets": None}), progress=False).buckets.tokens[0] == 2
+    assert Runner(model, rc, progress=False).buckets.tokens == (1, 8, 32)
+
+
 def cache_copies(runner, keys) -> list[str]:
     """Copies of a cache array (a parameter `cache__...`) in the compiled segments: a ring read, then written,
     with nothing ordering the two makes XLA copy the whole ring every step to keep the old one readable."""
