@@ -175,7 +175,8 @@ def xla(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_NPx
     _check(q_THd, cos_Tr, kv_Td, ring_SWx, meta, rows_NPx, topk_TK)
     T, H, d = q_THd.shape
     W = ring_SWx.shape[1]
-    hi = jax.lax.Precision.HIGHEST
+    cdt = _compute_dtype(q_THd)
+    mm = functools.partial(_mm, cdt)
     scale = d ** -0.5
     q_all = rotate_tail(q_THd.astype(jnp.float32), cos_Tr, sin_Tr)
     tiles = plan_or_rows(meta.tiles, meta.req_T)
@@ -195,15 +196,15 @@ def xla(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_NPx
         first = tiles.first_N[i]
         u = jnp.arange(W - 1 + tiles.size) - (W - 1)
         kpos = meta.pos_T[first] + u
-        own = kv_Td[jnp.clip(kv_row[first] + u, 0, n_kv - 1)].astype(jnp.float32)
-        ring = records.decode_rows("fp8", ring_SWx[meta.slot_R[r], jnp.mod(kpos, W)], d)
+        own = kv_Td[jnp.clip(kv_row[first] + u, 0, n_kv - 1)].astype(cdt)
+        ring = records.decode_rows("fp8", ring_SWx[meta.slot_R[r], jnp.mod(kpos, W)], d).astype(cdt)
         keys = jnp.where((kpos >= meta.start_R[r])[:, None], own, ring)
         kok = (kpos >= 0) & (kpos >= meta.floor_R[r])
         vis = kok[None] & (kpos[None] <= qpos[:, None]) & (kpos[None] > qpos[:, None] - W)  # [size, W - 1 + size]
-        logits = [jnp.where(vis[:, None], jnp.einsum("uhd,kd->uhk", q, keys, precision=hi) * scale, -jnp.inf)]
+        logits = [jnp.where(vis[:, None], mm("uhd,kd->uhk", q, keys) * scale, -jnp.inf)]
         values = [keys]
         if topk_TK is not None and dense_rows:
-            out, denom = _blocks_softmax(q * scale, logits[0], keys, sink_H, rows_NPx, topk_TK[rows],
+            out, denom = _blocks_softmax(mm, q * scale, logits[0], keys, sink_H, rows_NPx, topk_TK[rows],
                                          meta.block_table_RM[r], n_blocks, d)
             return jnp.where(qok[:, None, None], out / denom, 0.0)
         if topk_TK is not None:
@@ -211,24 +212,33 @@ def xla(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_NPx
             rpb, M = rows_NPx.shape[1], meta.block_table_RM.shape[1]
             blk = meta.block_table_RM[r][jnp.clip(idx // rpb, 0, M - 1)]
             g = records.decode_rows("nvfp4", rows_NPx[blk, idx % rpb], d)  # [size, k, d]
-            logits.append(jnp.where((idx >= 0)[:, None], jnp.einsum("uhd,ukd->uhk", q, g, precision=hi) * scale,
-                                    -jnp.inf))
+            logits.append(jnp.where((idx >= 0)[:, None], mm("uhd,ukd->uhk", q, g) * scale, -jnp.inf))
             values.append(g)
         probs, denom = _sink_softmax(logits, sink_H)
-        out = jnp.einsum("uhk,kd->uhd", probs[0], values[0], precision=hi)
+        out = mm("uhk,kd->uhd", probs[0], values[0])
         if len(probs) > 1:
-            out = out + jnp.einsum("uhk,ukd->uhd", probs[1], values[1], precision=hi)
+            out = out + mm("uhk,ukd->uhd", probs[1], values[1])
         return jnp.where(qok[:, None, None], out / denom, 0.0)
 
     out = scatter_rows(map_tiles(one_tile, tiles), tiles, T, 0.0)  # [T, H, d]
     return _finish(out, cos_Tr, sin_Tr, out_fp8)
 
 
-def _blocks_softmax(q_uhd, swa_logits_uhk, swa_keys_kd, sink_H, rows_NPx, idx_uk, table_M, n_blocks, d):
+def _compute_dtype(q_THd) -> jnp.dtype:
+    return jnp.dtype(jnp.bfloat16 if q_THd.dtype == jnp.bfloat16 else jnp.float32)
+
+
+def _mm(cdt, spec: str, a, b) -> jax.Array:
+    """An einsum with operands in the compute dtype and float32 sums, as the Pallas kernel: bfloat16 queries make
+    bfloat16 products (XLA:CPU runs them on AMX / AVX512-BF16 where the CPU has them), float32 ones stay exact."""
+    prec = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else None
+    return jnp.einsum(spec, a.astype(cdt), b.astype(cdt), precision=prec, preferred_element_type=jnp.float32)
+
+
+def _blocks_softmax(mm, q_uhd, swa_logits_uhk, swa_keys_kd, sink_H, rows_NPx, idx_uk, table_M, n_blocks, d):
     """One tile's attention over its SWA keys and, block by block of its request's global rows, the rows each
     query selected: (unnormalised output [u, H, d], softmax denominator [u, H, 1]) with the sink in the
-    denominator. `q_uhd` is pre-scaled."""
-    hi = jax.lax.Precision.HIGHEST
+    denominator. `q_uhd` is pre-scaled; `mm` the einsum in the compute dtype (`_mm`)."""
     u, rpb = idx_uk.shape[0], rows_NPx.shape[1]
     n_rows = table_M.shape[0] * rpb
     selected = jnp.zeros((u, n_rows + 1), jnp.bool_).at[jnp.arange(u)[:, None], jnp.where(
@@ -236,17 +246,16 @@ def _blocks_softmax(q_uhd, swa_logits_uhk, swa_keys_kd, sink_H, rows_NPx, idx_uk
     sink = jnp.broadcast_to(sink_H.astype(jnp.float32), swa_logits_uhk.shape[:2])
     m = jnp.maximum(jnp.max(swa_logits_uhk, axis=-1), sink)
     p = jnp.exp(swa_logits_uhk - m[..., None])
-    state = (m, jnp.exp(sink - m) + jnp.sum(p, axis=-1), jnp.einsum("uhk,kd->uhd", p, swa_keys_kd, precision=hi))
+    state = (m, jnp.exp(sink - m) + jnp.sum(p, axis=-1), mm("uhk,kd->uhd", p, swa_keys_kd))
 
     def block(b, state):
         m, l, acc = state
         g = records.decode_rows("nvfp4", rows_NPx[table_M[b]], d)  # [rpb, d], shared by the tile's queries
         ok = jax.lax.dynamic_slice_in_dim(selected, b * rpb, rpb, axis=1)  # [u, rpb]
-        s = jnp.where(ok[:, None], jnp.einsum("uhd,kd->uhk", q_uhd, g, precision=hi), -jnp.inf)
+        s = jnp.where(ok[:, None], mm("uhd,kd->uhk", q_uhd, g), -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         alpha, p = jnp.exp(m - m_new), jnp.exp(s - m_new[..., None])
-        return m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + jnp.einsum(
-            "uhk,kd->uhd", p, g, precision=hi)
+        return m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + mm("uhk,kd->uhd", p, g)
 
     _, l, acc = jax.lax.fori_loop(0, n_blocks, block, state)
     return acc, l[..., None]

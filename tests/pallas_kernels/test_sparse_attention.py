@@ -65,6 +65,42 @@ def test_xla_equals_reference(quantized, tile):
     assert_close(sa.xla(*args[:7]), sa.reference(*args[:7]), f"{msg} tile={tile} (SWA only)")
 
 
+@pytest.mark.parametrize("tile", [None, 4])
+def test_xla_in_bfloat16_multiplies_in_bfloat16(tile):
+    """bf16 queries and rows: the XLA path's products take bf16 operands with float32 sums (as the Pallas kernel;
+    XLA:CPU runs them on AMX where the CPU has it), within bf16 rounding of the float32 reference; float32 inputs
+    keep float32 products."""
+    rng, msg = seeded_rng()
+    args = make_case(rng, quantized=True)
+    args = with_plan(args, tile) if tile else args
+    bf16 = (args[0].astype(jnp.bfloat16), *args[1:4], args[4].astype(jnp.bfloat16), *args[5:])
+    want = sa.reference(*bf16)  # the bf16 inputs, every product in float32
+    err = assert_close(sa.xla(*bf16), want, f"{msg} tile={tile}", rtol=3e-2, atol=3e-2)
+    assert err > 1e-5, "no bf16 rounding at all: the products ran in float32"
+
+    assert _dot_operand_dtypes(sa.xla, bf16) == {"bfloat16"}
+    assert _dot_operand_dtypes(sa.xla, args) == {"float32"}
+
+
+def _dot_operand_dtypes(fn, args) -> set[str]:
+    """The operand dtypes of every dot_general in fn's jaxpr, loops and conditionals included."""
+    found = set()
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                found.update(str(v.aval.dtype) for v in eqn.invars)
+            for p in eqn.params.values():
+                for sub in p if isinstance(p, (tuple, list)) else [p]:
+                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                        walk(sub.jaxpr)
+                    elif isinstance(sub, jax.extend.core.Jaxpr):
+                        walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
 def test_xla_block_scan_stops_at_n_blocks():
     """The XLA path's per-tile block scan (a table of at most size x k rows) reads only `meta.n_blocks` blocks:
     with every selected row below that bound the result is the reference's; a bound below a selected row's
