@@ -127,8 +127,7 @@ def format_table(result: dict) -> str:
     lines = [f"workload: {w['input_len']} in / {w['output_len']} out, token ids {w['token_id_range']}, "
              f"seed {w['seed']}; model {result['model']}",
              f"machine: matmul {r['matmul_flop_s'] / 1e9:.1f} GFLOP/s ({r.get('matmul_dtype', 'float32')}), "
-             f"weight streaming "
-             f"{r['stream_bytes_s'] / 1e9:.1f} GB/s",
+             f"weight streaming {r['stream_bytes_s'] / 1e9:.1f} GB/s",
              f"{'engine':<16} {'c':>3} " + " ".join(f"{label:>10}" for _, label in METRICS) + "   ours/peer out tok/s"]
     ours = result["engines"]["ours"]["runs"]
     for name, eng in result["engines"].items():

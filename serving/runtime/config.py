@@ -41,7 +41,8 @@ class RuntimeConfig:
                 "random weights"})
     token_buckets: tuple[int, ...] | None = field(default=None, metadata={
         "help": "step sizes to compile, comma-separated (default: powers of two, then window multiples "
-                "1-2-3-4-6-8... up to max-num-batched-tokens)"})
+                "1-2-3-4-6-8... up to max-num-batched-tokens); a bfloat16 model on a CPU steps at least 2 rows "
+                "(a 1-row bf16 dot is slow on XLA:CPU)"})
     speculative_config: str | None = field(default=None, metadata={
         "help": "speculative decoding, vLLM's JSON: '{\"method\": \"dspark\", \"num_speculative_tokens\": 5, "
                 "\"rejection_sample_method\": \"standard\"}' (or synthetic with synthetic_acceptance_length); "
