@@ -296,9 +296,10 @@ BF16_MARGIN = 1.25  # bfloat16 must beat float32 by this factor: a near tie stay
 @functools.cache
 def cpu_prefers_bfloat16() -> bool:
     """Whether XLA:CPU runs a [256, 2048] x [2048, 2048] matmul at least BF16_MARGIN x faster in bfloat16 than in
-    float32 on this machine (best of 3 each, once per process, ~0.2 s). On this AMX machine: 2.3 vs 9.3 ms; the
-    decode-sized dots of 2+ rows gain too ([8, 4096] x [4096, 4096]: 2.1 vs 7.4 ms), while a 1-row bf16 dot misses
-    YNNPACK (18.9 ms), so the runtime pads a batch of one (`serving.runtime.runner._smallest_bucket`)."""
+    float32 on this machine (best of 3 each, once per process: ~0.2 s, ~0.35 s with the backend's start). On this
+    AMX machine: 2.3 vs 9.3 ms; the decode-sized dots of 2+ rows gain too ([8, 4096] x [4096, 4096]: 2.1 vs 7.4 ms),
+    while a 1-row bf16 dot misses YNNPACK (18.9 ms), so the runtime pads a batch of one
+    (`serving.runtime.runner._smallest_bucket`)."""
     def best_seconds(dtype) -> float:
         x, w = jnp.ones((256, 2048), dtype), jnp.ones((2048, 2048), dtype)
         dot = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32))

@@ -13,6 +13,17 @@ E4M3_MAX = 448.0
 FP8_OUT_BLOCK = 128  # channels per scale of the FP8 activations a block-scaled GEMM reads
 
 
+def product_dtype(dtype) -> jnp.dtype:
+    """The operand dtype of the fused ops' products for inputs of `dtype`: bfloat16 stays bfloat16 (what the GPU
+    kernels feed the tensor cores and XLA:CPU runs on AMX where the CPU has it), anything else float32."""
+    return jnp.dtype(jnp.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else jnp.float32)
+
+
+def product_precision(dtype) -> jax.lax.Precision | None:
+    """float32 products at full precision (no TF32 / bf16 passes): the exactness tests compare them to 1e-5."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
 def full_width_angles(cos_Tr: jax.Array, sin_Tr: jax.Array, d: int) -> tuple[jax.Array, jax.Array]:
     """cos, sin [T, d_r/2] of the rotated pairs -> per-channel [T, d] (1 / 0 on the leading d - d_r)."""
     T, half = cos_Tr.shape

@@ -23,14 +23,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels.common import product_precision
 from pallas_kernels.dispatch import interpret_default, resolve_impl
 from pallas_kernels.expert_weights import decode_tile
 
 MIN_DOT = 16  # Triton's smallest dot dimension
-
-
-def _precision(dtype) -> jax.lax.Precision:
-    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
 def _as_bytes(w: jax.Array) -> jax.Array:
@@ -48,7 +45,7 @@ def decode(w_OI: jax.Array, scale: jax.Array, block: tuple[int, int], dtype) -> 
 
 def _dot(x, w, dtype, out_dtype):
     y = jnp.einsum("...i,oi->...o", x.astype(dtype), w, preferred_element_type=jnp.float32,
-                   precision=_precision(dtype))
+                   precision=product_precision(dtype))
     return y.astype(out_dtype)
 
 
@@ -110,7 +107,8 @@ def pallas(x_TI, w_OI, scale, *, block: tuple[int, int], dtype, out_dtype, block
     v, s = _as_bytes(w_OI), scale.astype(jnp.uint8)
     whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)
     y = pl.pallas_call(
-        functools.partial(_kernel, block=tuple(block), bn=bn, bk=bk, dtype=jnp.dtype(dtype), prec=_precision(dtype)),
+        functools.partial(_kernel, block=tuple(block), bn=bn, bk=bk, dtype=jnp.dtype(dtype),
+                          prec=product_precision(dtype)),
         grid=(Tp // bm, O // bn), out_shape=jax.ShapeDtypeStruct((Tp, O), out_dtype),
         in_specs=[pl.BlockSpec((bm, I), lambda i, j: (i, 0)), whole(v), whole(s)],
         out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),

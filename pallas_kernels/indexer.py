@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import records
+from pallas_kernels.common import product_dtype, product_precision
 from pallas_kernels.dispatch import interpret_default, resolve_impl
 from pallas_kernels.tiles import QueryTiles, map_tiles, plan_or_rows, scatter_rows, tile_rows
 
@@ -244,8 +245,8 @@ def _scores_kernel(q_ref, w_ref, req_ref, bt_ref, bound_ref, rid_ref, ok_ref, ke
             kk = records.decode("mxfp4", keys_ref[blk, at, pl.ds(0, c // 2)], keys_ref[blk, at, pl.ds(c // 2, nb)])
         else:
             kk = keys_ref[blk, at, :].astype(jnp.float32)
-        cdt = q_ref.dtype if q_ref.dtype == jnp.bfloat16 else jnp.float32
-        prec = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else None
+        cdt = product_dtype(q_ref.dtype)
+        prec = product_precision(cdt)
         s = jax.lax.dot_general(q_ref[...].astype(cdt), kk.astype(cdt), (((1,), (1,)), ((), ())), precision=prec,
                                 preferred_element_type=jnp.float32)  # [h, block_n]
         score = jnp.sum(jnp.maximum(s, 0.0) * w_ref[...].astype(jnp.float32)[:, None], axis=0)

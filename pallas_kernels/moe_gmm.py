@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels.common import product_precision
 from pallas_kernels.dispatch import interpret_default, resolve_impl
 from pallas_kernels.expert_weights import QuantizedExperts, check_experts, decode_tile, reference_dequantize
 
@@ -55,10 +56,6 @@ def _compute_dtype(x_TD, w1) -> jnp.dtype:
     return jnp.dtype(x_TD.dtype if isinstance(w1, QuantizedExperts) else w1.dtype)
 
 
-def _precision(cdt):
-    return jax.lax.Precision.HIGHEST if cdt == jnp.float32 else None
-
-
 def _swiglu(gate, up, limit: float):
     """silu(min(gate, limit)) * clamp(up, -limit, limit), float32."""
     g = jnp.minimum(gate, limit)
@@ -71,7 +68,7 @@ def reference(x_TD, ids_TK, weights_TK, w1, w3, w2, *, limit: float, out_dtype=j
     _check(x_TD, ids_TK, weights_TK, w1, w3, w2)
     E = w1.shape[0]
     cdt = _compute_dtype(x_TD, w1)
-    prec = _precision(cdt)
+    prec = product_precision(cdt)
     ok = (ids_TK >= 0) & (ids_TK < E)
     e = jnp.where(ok, ids_TK, 0)
     W1, W3, W2 = (reference_dequantize(w).astype(cdt) if isinstance(w, QuantizedExperts) else w for w in (w1, w3, w2))
@@ -177,7 +174,8 @@ def xla(x_TD, ids_TK, weights_TK, w1, w3, w2, *, limit: float, out_dtype=jnp.flo
     if tile is None and ids_TK.size * 3 * w1.shape[1] * D * 4 <= GATHER_BYTES:
         return _per_pair(x_TD, ids_TK, weights_TK, w1, w3, w2, limit, out_dtype, cdt)
     tile = tile or xla_tile(ids_TK.size, E)
-    mm = functools.partial(jnp.einsum, "gti,goi->gto", preferred_element_type=jnp.float32, precision=_precision(cdt))
+    mm = functools.partial(jnp.einsum, "gti,goi->gto", preferred_element_type=jnp.float32,
+                           precision=product_precision(cdt))
     layout = group_layout(ids_TK, E, tile)
     xs, rw = _sorted_rows(x_TD.astype(cdt), weights_TK, layout)
     n_t = xs.shape[0] // tile
@@ -225,7 +223,8 @@ def _per_pair(x_TD, ids_TK, weights_TK, w1, w3, w2, limit: float, out_dtype, cdt
     e = jnp.clip(ids, 0, E - 1)
     rw = jnp.where((ids >= 0) & (ids < E), weights_TK.reshape(-1).astype(jnp.float32), 0.0)
 
-    mv = functools.partial(jnp.einsum, "pi,poi->po", preferred_element_type=jnp.float32, precision=_precision(cdt))
+    mv = functools.partial(jnp.einsum, "pi,poi->po", preferred_element_type=jnp.float32,
+                           precision=product_precision(cdt))
     x = jnp.repeat(x_TD.astype(cdt), k, axis=0)  # [P, D]
     h = (_swiglu(mv(x, _experts(w1, e, cdt)), mv(x, _experts(w3, e, cdt)), limit) * rw[:, None]).astype(cdt)
     y = mv(h, _experts(w2, e, cdt))  # [P, D] float32
@@ -343,7 +342,7 @@ def pallas(x_TD, ids_TK, weights_TK, w1, w3, w2, *, limit: float, out_dtype=jnp.
     T, D = x_TD.shape
     k, (E, I) = ids_TK.shape[1], w1.shape[:2]
     cdt = _compute_dtype(x_TD, w1)
-    prec = _precision(cdt)
+    prec = product_precision(cdt)
     bm = block_m or rows_per_tile(ids_TK.size // 2, E, MIN_DOT, 64)  # padding ~<= 25% of the rows
     if bm < MIN_DOT or bm & (bm - 1):
         raise ValueError(f"block_m {bm} must be a power of two >= {MIN_DOT}")

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels.common import product_precision
 from pallas_kernels.dispatch import interpret_default, resolve_impl
 
 RENORM_EPS = 1e-20
@@ -31,8 +32,8 @@ def _check(x_TD, w_ED, bias_E, top_k):
 
 
 def _gate_logits(x_TD, w_ED):
-    prec = jax.lax.Precision.HIGHEST if w_ED.dtype == jnp.float32 else None
-    return jnp.einsum("td,ed->te", x_TD.astype(w_ED.dtype), w_ED, preferred_element_type=jnp.float32, precision=prec)
+    return jnp.einsum("td,ed->te", x_TD.astype(w_ED.dtype), w_ED, preferred_element_type=jnp.float32,
+                      precision=product_precision(w_ED.dtype))
 
 
 def reference(x_TD, w_ED, bias_E, *, top_k: int, scaling: float):
@@ -70,7 +71,7 @@ def _router_kernel(x_ref, w_ref, bias_ref, ids_ref, wt_ref, *, E, block_e, block
     D = x_ref.shape[1]
     n_e = E // block_e
     cdt = w_ref.dtype
-    prec = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else None
+    prec = product_precision(cdt)
 
     def gemm_chunk(c, accs):
         xc = x_ref[:, pl.ds(c * block_d, block_d)].astype(cdt)

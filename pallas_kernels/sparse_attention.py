@@ -34,7 +34,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import records
-from pallas_kernels.common import FP8_OUT_BLOCK, fp8_block_cast, full_width_angles, rotate, rotate_tail
+from pallas_kernels.common import (FP8_OUT_BLOCK, fp8_block_cast, full_width_angles, product_dtype,
+                                   product_precision, rotate, rotate_tail)
 from pallas_kernels.dispatch import interpret_default, resolve_impl
 from pallas_kernels.tiles import QueryTiles, map_tiles, plan_or_rows, scatter_rows, tile_rows
 
@@ -175,7 +176,7 @@ def xla(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_NPx
     _check(q_THd, cos_Tr, kv_Td, ring_SWx, meta, rows_NPx, topk_TK)
     T, H, d = q_THd.shape
     W = ring_SWx.shape[1]
-    cdt = _compute_dtype(q_THd)
+    cdt = product_dtype(q_THd.dtype)
     mm = functools.partial(_mm, cdt)
     scale = d ** -0.5
     q_all = rotate_tail(q_THd.astype(jnp.float32), cos_Tr, sin_Tr)
@@ -224,15 +225,11 @@ def xla(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_NPx
     return _finish(out, cos_Tr, sin_Tr, out_fp8)
 
 
-def _compute_dtype(q_THd) -> jnp.dtype:
-    return jnp.dtype(jnp.bfloat16 if q_THd.dtype == jnp.bfloat16 else jnp.float32)
-
-
 def _mm(cdt, spec: str, a, b) -> jax.Array:
     """An einsum with operands in the compute dtype and float32 sums, as the Pallas kernel: bfloat16 queries make
     bfloat16 products (XLA:CPU runs them on AMX / AVX512-BF16 where the CPU has them), float32 ones stay exact."""
-    prec = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else None
-    return jnp.einsum(spec, a.astype(cdt), b.astype(cdt), precision=prec, preferred_element_type=jnp.float32)
+    return jnp.einsum(spec, a.astype(cdt), b.astype(cdt), precision=product_precision(cdt),
+                      preferred_element_type=jnp.float32)
 
 
 def _blocks_softmax(mm, q_uhd, swa_logits_uhk, swa_keys_kd, sink_H, rows_NPx, idx_uk, table_M, n_blocks, d):
@@ -277,8 +274,8 @@ def _attention_kernel(pos_ref, req_ref, kvrow_ref, slot_ref, start_ref, floor_re
     p, r, own = pos_ref[t], req_ref[t], kvrow_ref[t]
     slot, start, lo = slot_ref[r], start_ref[r], jnp.maximum(floor_ref[r], 0)
     cos, sin = cos_ref[...], sin_ref[...]
-    cdt = q_ref.dtype if q_ref.dtype == jnp.bfloat16 else jnp.float32
-    prec = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else None
+    cdt = product_dtype(q_ref.dtype)
+    prec = product_precision(cdt)
     q = (rotate(q_ref[...].astype(jnp.float32), cos, sin) * d ** -0.5).astype(cdt)  # [bh, d]
 
     def update(carry, keys, ok):

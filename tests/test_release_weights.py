@@ -113,6 +113,21 @@ def test_formats_read_off_the_parameters_are_those_of_the_checkpoint(tiny_dir):
     assert model.num_parameters == dsv41.load(tiny_dir, weights="dequantize").num_parameters
 
 
+def test_the_cpu_bfloat16_probe_agrees_with_the_measured_matmul_rates():
+    """`cpu_prefers_bfloat16` against the roofline bench's own probes (a larger dot, medians of 5): where bf16 is
+    clearly faster (AMX) it says yes, where it is slower (AVX2) no; a near tie is the margin's call, not tested."""
+    from serving.bench.roofline import MatmulProbe
+
+    api.cpu_prefers_bfloat16.cache_clear()
+    prefers = api.cpu_prefers_bfloat16()
+    assert api.cpu_prefers_bfloat16() is prefers  # measured once per process
+    probes = {dt: MatmulProbe(dt) for dt in ("float32", "bfloat16")}
+    ratio = np.median([probes["bfloat16"]() for _ in range(5)]) / np.median([probes["float32"]() for _ in range(5)])
+    if 1.0 <= ratio <= 2 * api.BF16_MARGIN:
+        pytest.skip(f"bf16 / f32 matmul rate {ratio:.2f}: too close to the margin to judge on this machine")
+    assert prefers == (ratio > 1.0), f"bf16 / f32 matmul rate {ratio:.2f}"
+
+
 @pytest.mark.parametrize("on_cpu, fast_bf16", [(True, False), (True, True), (False, False)])
 def test_dtype_auto_follows_the_checkpoint_and_the_backend(tiny_dir, tmp_path, monkeypatch, on_cpu, fast_bf16):
     monkeypatch.setattr(api, "_on_cpu", lambda: on_cpu)
