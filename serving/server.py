@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     _say(f"KV cache: {engine.scheduler.num_blocks} blocks of {engine.scheduler.block_size} tokens{per_rank}, "
          f"{kv['total_bytes'] / 2**20:.1f} MiB; {len(engine.runner.buckets.tokens)} token buckets{rest}")
     _say(f"replay: {engine.runner.replay_summary()}")
+    _say(f"scheduling: {engine.scheduling_summary()}")
     if (cache := engine.runner.exe_cache) is not None:
         _say(f"executable cache: {cache.hits} programs loaded, {cache.misses} compiled ({cache.folder})")
     aengine = AsyncEngine(engine)

@@ -44,7 +44,8 @@ def _engine_args(args):
 
     return EngineArgs.of(max_num_seqs=args.batch, max_num_batched_tokens=args.max_num_batched_tokens,
                          max_model_len=args.context + args.steps + 8, block_size=args.block_size,
-                         token_buckets=tuple(sorted({args.batch, args.max_num_batched_tokens})))
+                         token_buckets=tuple(sorted({args.batch, args.max_num_batched_tokens})),
+                         async_scheduling=args.async_scheduling)
 
 
 def bare_runner(args):
@@ -156,6 +157,9 @@ def main(argv=None) -> int:
     ap.add_argument("--compilation-cache-dir", default=None, help="default: the server's")
     ap.add_argument("--out", default="bench_decode_overhead.json")
     ap.add_argument("--profile-dir", default=None, help="write jax.profiler traces of both timed parts here")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                    help="the server's async scheduling (where the model supports it; the bare steps are one at a "
+                         "time either way)")
     args = ap.parse_args(argv)
     if args.compilation_cache_dir is None:
         from serving.api.server import ServerArgs
@@ -175,6 +179,7 @@ def main(argv=None) -> int:
     s_ms = statistics.median(x["served_ms"] for x in rounds)
     ratio = b_ms / s_ms  # throughput ratio: tokens/s served over tokens/s bare
     res = {"model": args.model, "batch": args.batch, "context": args.context, "steps": args.steps,
+           "async_scheduling": args.async_scheduling,
            "dtype": args.dtype, "repeats": args.repeats, "rounds": rounds,
            "bare": {"step_ms": b_ms, "tokens_per_s": 1000 * args.batch / b_ms},
            "served": {"step_ms": s_ms, "tokens_per_s": 1000 * args.batch / s_ms}, "served_over_bare": ratio}

@@ -50,8 +50,12 @@ class DataParallelScheduler:
     def schedule(self) -> list[Scheduled]:
         return [s for r in self.ranks for s in r.schedule()]
 
-    def postprocess(self, s: Scheduled, tokens: int | list[int] | None) -> Finish | None:
-        return self.ranks[s.request.rank].postprocess(s, tokens)
+    def launched(self, sched: list[Scheduled]) -> list[bool]:
+        return [self.ranks[s.request.rank].launched([s])[0] for s in sched]
+
+    def postprocess(self, s: Scheduled, tokens: int | list[int] | None, pending: bool | None = None
+                    ) -> Finish | None:
+        return self.ranks[s.request.rank].postprocess(s, tokens, pending)
 
     def block_table(self, req: Request) -> list[int]:
         return self.ranks[req.rank].blocks.block_table(req.request_id)

@@ -7,9 +7,17 @@ The async server and the offline `LLM` both drive this class; only one thread ma
 
 The output handling of a step overlaps the next step: once a step's tokens are appended and its token-based
 finishes applied, the next step is scheduled and dispatched, and only then is the text made (vLLM overlaps the
-same work by detokenizing in another process). Scheduling stays exact: it sees every token. What a stop string
-(found in the text) finishes has one more row in the step already running; that row is dropped, and the blocks
-the request frees are only reused by steps after it (the device runs steps in order).
+same work by detokenizing in another process). What a stop string (found in the text) finishes has one more row
+in the step already running; that row is dropped, and the blocks the request frees are only reused by steps after
+it (the device runs steps in order).
+
+Async scheduling (`SchedulerConfig.async_scheduling`, vLLM's `--async-scheduling`) goes one step further: step
+n + 1 is scheduled and dispatched before step n is collected. Each request that samples in step n has one pending
+token (`Request.num_pending`); its row in step n + 1 reads that token from step n's sampled tokens on the device
+(`SeqChunk.pending_row`), so the host's scheduling, batch building and dispatch overlap the device's work. A length
+limit is known in advance (no row follows the last token); a token finish (EOS, a stop id) drops the row already
+dispatched, as a stop string does. Outputs are the same as step by step. It needs one device, no speculative
+decoding, EPLB or Engram (V4.1's Engram hashes the tokens on the host); elsewhere steps go one at a time.
 """
 
 from __future__ import annotations
@@ -40,10 +48,12 @@ log = logging.getLogger("serving.engine")
 
 
 class _InFlight(NamedTuple):
-    """A dispatched step: what was scheduled and the runner's handle to its device work."""
+    """A dispatched step: what was scheduled, the runner's handle to its device work and, with async scheduling,
+    which chunks left a pending token (`Scheduler.launched`)."""
 
     sched: list[Scheduled]
     launched: LaunchedStep
+    pending: list[bool] | None = None
 
 
 class Engine:
@@ -78,7 +88,19 @@ class Engine:
         self.eos_id = getattr(tokenizer, "eos_id", model.config.eos_token_id)
         self._preemptions_seen = 0
         self._inflight: _InFlight | None = None  # the step dispatched while the previous one's text was made
+        self.async_scheduling = (args.scheduler.async_scheduling and self.runner.supports_async
+                                 and self.eplb is None)
         self._update_gauges()
+
+    def scheduling_summary(self) -> str:
+        """One line for the banner: async scheduling, or why steps go one at a time."""
+        if self.async_scheduling:
+            return "async (each step is dispatched before the previous one's tokens reach the host)"
+        r = self.runner
+        why = ("--no-async-scheduling" if not self.args.scheduler.async_scheduling
+               else "a device mesh" if r.placement is not None else "speculative decoding" if r.spec
+               else "Engram hashes the tokens on the host" if self.model.engram is not None else "EPLB")
+        return f"one step at a time ({why})"
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *, priority: int = 0,
@@ -144,8 +166,13 @@ class Engine:
             self._inflight = None
             outputs: list[RequestOutput] = []
             if done is not None:
-                out, before, finishes, now = self._collect(done)
-                self._inflight = self._launch()  # the device runs it while the host makes this step's text
+                if self.async_scheduling:  # the next step goes out first, its decode rows reading done's tokens
+                    nxt = self._launch(done)
+                    out, before, finishes, now = self._collect(done)
+                else:
+                    out, before, finishes, now = self._collect(done)
+                    nxt = self._launch()
+                self._inflight = nxt  # the device runs it while the host makes this step's text
                 outputs = self._outputs(done.sched, out, before, finishes, now)
             self._settle()
             self._update_gauges()
@@ -158,15 +185,19 @@ class Engine:
             self._collect(self._inflight)
             self._inflight = None
 
-    def _launch(self) -> _InFlight | None:
+    def _launch(self, prev: _InFlight | None = None) -> _InFlight | None:
+        """Schedule and dispatch a step; `prev`, the step in flight (async scheduling), holds the tokens that its
+        requests' rows in this one read on the device."""
         with jax.profiler.TraceAnnotation("engine.schedule"):
             sched = self.scheduler.schedule()
         if not sched:
             return None
         self._note_admissions(sched)
-        launched = self.runner.launch([self._chunk(s) for s in sched], [s.request.params for s in sched],
-                                      [self._banned(s.request) for s in sched])
-        return _InFlight(sched, launched)
+        rows = {} if prev is None else {id(s.request): int(r) for s, r in zip(prev.sched, prev.launched.segments.rows)}
+        launched = self.runner.launch([self._chunk(s, rows) for s in sched], [s.request.params for s in sched],
+                                      [self._banned(s.request) for s in sched],
+                                      prev=None if prev is None else prev.launched)
+        return _InFlight(sched, launched, self.scheduler.launched(sched) if self.async_scheduling else None)
 
     def _collect(self, step: _InFlight) -> tuple[StepOutput, list[int], list[Finish | None], float]:
         """Wait for a step and do what the next one's scheduling needs: the tokens appended, the token-based
@@ -184,7 +215,8 @@ class Engine:
             finishes.append(None)
             if req.finished:
                 continue
-            finishes[-1] = self.scheduler.postprocess(s, self._emitted(s, out, i))
+            finishes[-1] = self.scheduler.postprocess(s, self._emitted(s, out, i),
+                                                      None if step.pending is None else step.pending[i])
             if finishes[-1] is not None:
                 self.scheduler.remove(req)  # before the next step is scheduled; the output follows
             if s.sample and self.spec:
@@ -223,9 +255,11 @@ class Engine:
                 m.spec_accepted_per_pos[pos].inc()
         return [int(t) for t in out.tokens[i][:n]]
 
-    def _chunk(self, s: Scheduled) -> SeqChunk:
+    def _chunk(self, s: Scheduled, prev_rows: dict[int, int]) -> SeqChunk:
+        """`prev_rows`: each request's sampled-token row in the step in flight (async scheduling)."""
         req = s.request
         return SeqChunk(slot=req.slot, block_table=self.scheduler.block_table(req), token_ids=req.token_ids,
+                        pending_row=prev_rows[id(req)] if req.num_pending else -1,
                         draft_ids=req.draft_ids[:s.num_draft],
                         rank=req.rank, start=s.start, end=s.end, kv_floor=req.plan.replay_start,
                         write_floor=req.plan.write_floor,
@@ -236,7 +270,7 @@ class Engine:
     def _banned(self, req: Request) -> list[int]:
         """EOS and stop ids cannot be sampled before `min_tokens` outputs (vLLM masks them the same way)."""
         p = req.params
-        if req.num_output >= p.min_tokens:
+        if req.num_output + req.num_pending >= p.min_tokens:
             return []
         return ([] if req.eos_id is None else [req.eos_id]) + list(p.stop_token_ids)
 

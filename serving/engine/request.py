@@ -46,7 +46,8 @@ class Request:
     # --- state, owned by the engine thread
     token_ids: list[int] = field(init=False)  # prompt + output; the runtime reads it in place
     status: Status = Status.WAITING
-    num_computed: int = 0  # positions whose KV is in the cache
+    num_computed: int = 0  # positions whose KV is in the cache (async scheduling: or in a dispatched step)
+    num_pending: int = 0  # async scheduling: tokens after token_ids that a dispatched step samples, not read yet
     rank: int | None = None  # data-parallel rank (its slot and blocks are that rank's), set when queued
     slot: int | None = None
     plan: PrefixPlan | None = None

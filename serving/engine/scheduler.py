@@ -42,6 +42,10 @@ class SchedulerConfig:
                                                 "arrival; preemption takes the highest value)"})
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "reuse the KV of cached full-block prompt prefixes"})
+    async_scheduling: bool = field(default=True, metadata={
+        "help": "schedule and dispatch each step before the previous one's tokens reach the host (its decode rows "
+                "read them on the device), so the host's work between steps overlaps the device's; one device "
+                "without speculative decoding, Engram or EPLB (elsewhere steps are scheduled one at a time)"})
     dp_routing_policy: str = field(default="sticky", metadata={
         "choices": ROUTING_POLICIES, "help": "data-parallel ranks: keep a session (X-Session-ID, else its prompt's "
                                              "first tokens) on the rank holding its prefix cache unless saturated "
@@ -75,7 +79,8 @@ class Scheduled:
     sample: bool = field(init=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "sample", self.end - self.num_draft == self.request.num_tokens)
+        req = self.request
+        object.__setattr__(self, "sample", self.end - self.num_draft == req.num_tokens + req.num_pending)
 
 
 class QueueFull(RuntimeError):
@@ -150,6 +155,8 @@ class Scheduler:
             if req.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
             n = self._chunk(req, req.num_computed, budget)
+            if n == 0:  # async scheduling: its last token is in flight and ends it (a length limit)
+                continue
             k = self._drafts(req, budget - n) if req.num_computed + n == req.num_tokens else 0
             if k and not self.blocks.allocate(req.request_id, req.num_computed + n + k):
                 k = 0  # short of blocks: verify nothing rather than preempt for drafts
@@ -175,7 +182,7 @@ class Scheduler:
         return out
 
     def _chunk(self, req: Request, start: int, budget: int) -> int:
-        n = min(req.num_tokens - start, budget)
+        n = min(req.num_tokens + req.num_pending - start, budget)
         cap = self.cfg.long_prefill_token_threshold
         if cap and n > 1 and (len(self.running) > 1 or self.num_waiting):  # no cap for a lone request
             n = min(n, cap)
@@ -228,7 +235,25 @@ class Scheduler:
         self.add(req, front=True)
 
     # ----------------------------------------------------------------- update
-    def postprocess(self, s: Scheduled, tokens: int | list[int] | None) -> Finish | None:
+    def launched(self, sched: list[Scheduled]) -> list[bool]:
+        """Async scheduling: the step is dispatched and the next one is scheduled before its tokens are known. Its
+        positions count as computed now, and each sampling request gets one pending token (the next step's row for
+        it reads that token on the device) unless the token ends it by a length limit. Returns, per chunk, whether
+        a pending token was added (`postprocess` takes it back)."""
+        added = []
+        for s in sched:
+            req = s.request
+            req.num_computed = s.end
+            n_out, n_tok = req.num_output + req.num_pending + 1, req.num_tokens + req.num_pending + 1
+            p = req.params
+            more = s.sample and not ((p.max_tokens is not None and n_out >= p.max_tokens)
+                                     or n_tok >= self.rc.max_model_len)
+            req.num_pending += more
+            added.append(more)
+        return added
+
+    def postprocess(self, s: Scheduled, tokens: int | list[int] | None, pending: bool | None = None
+                    ) -> Finish | None:
         """The step ran `s`: positions [start, end) are written - with drafts, only up to the last accepted one
         stays (the rest was rolled back) - and their full blocks are registered in the prefix cache; when the
         chunk sampled, its emitted tokens (one, or the accepted drafts and the bonus token) are appended, up to
@@ -237,9 +262,14 @@ class Scheduler:
         strings are text: the engine's output handling finds those."""
         req = s.request
         toks = [] if tokens is None else [tokens] if isinstance(tokens, int) else list(tokens)
-        req.num_computed = s.end - s.num_draft + max(len(toks) - 1, 0)  # the rows of accepted tokens
+        if pending is None:
+            req.num_computed = s.end - s.num_draft + max(len(toks) - 1, 0)  # the rows of accepted tokens
+        else:  # async scheduling: `launched` counted the step's rows, and maybe a pending token, when it went out
+            req.num_pending -= pending
         finish = self._append(req, toks) if s.sample else None
-        self.blocks.commit(req.request_id, req.token_ids, min(req.num_computed, req.num_tokens))
+        if req.status is Status.RUNNING:  # not preempted while the step ran (its blocks are gone then)
+            self.blocks.commit(req.request_id, req.token_ids, min(s.end - s.num_draft + max(len(toks) - 1, 0),
+                                                                   req.num_tokens))
         return finish
 
     def _append(self, req: Request, toks: list[int]) -> Finish | None:

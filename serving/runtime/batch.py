@@ -35,15 +35,23 @@ class SeqChunk:
     prompt_logprobs: bool = False  # log-probabilities of every row's next token (needs trim off)
     rank: int = 0  # the data-parallel rank holding the request's KV (slot and blocks are that rank's)
     draft_ids: Sequence[int] = ()  # speculative decoding: drafted tokens after token_ids that this chunk verifies
+    # async scheduling: the token after token_ids (this chunk's last position) is the one the previous step samples
+    # in this row of its sampled tokens, still on the device; -1: every token of the chunk is in token_ids
+    pending_row: int = -1
 
     @property
     def num_tokens(self) -> int:
         return self.end - self.start
 
     @property
+    def num_known(self) -> int:
+        """Positions with a token: token_ids, and the pending one."""
+        return len(self.token_ids) + (self.pending_row >= 0)
+
+    @property
     def num_draft(self) -> int:
         """Drafts this chunk verifies: its rows past the request's tokens."""
-        return max(0, self.end - len(self.token_ids))
+        return max(0, self.end - self.num_known)
 
     @property
     def trims(self) -> bool:
@@ -52,9 +60,10 @@ class SeqChunk:
         return self.trim and not self.num_draft
 
     def tokens(self, lo: int, hi: int) -> list[int]:
-        """Token ids of positions [lo, hi), the drafts included."""
-        n = len(self.token_ids)
-        return list(self.token_ids[lo:min(hi, n)]) + list(self.draft_ids[max(lo - n, 0):max(hi - n, 0)])
+        """Token ids of positions [lo, hi), the drafts included; a pending token reads 0 (the device substitutes it)."""
+        n, k = len(self.token_ids), self.num_known
+        return (list(self.token_ids[lo:min(hi, n)]) + [0] * max(0, min(hi, k) - max(lo, n))
+                + list(self.draft_ids[max(lo - k, 0):max(hi - k, 0)]))
 
 
 @dataclass(frozen=True)
@@ -114,13 +123,13 @@ def build_step(chunks: Sequence[SeqChunk], buckets: Buckets, *, max_blocks: int,
     first, qlen, kept_first, kept_qlen = (i32(R) for _ in range(4))
     logit_row = np.zeros((R, verify_rows) if verify_rows > 1 else R, np.int32)
     block_table = np.zeros((R, max_blocks), np.int32)
-    ids, pos, req, valid = i32(T), i32(T), i32(T), np.zeros(T, bool)
+    ids, pos, req, valid, prev = i32(T), i32(T), i32(T), np.zeros(T, bool), np.full(T, -1, np.int32)
     kept_idx: list[int] = []
     next_ids: list[int] = []
     hashes = []
     f = 0
     for r, ch in enumerate(chunks):
-        if not 0 <= ch.start < ch.end <= len(ch.token_ids) + len(ch.draft_ids):
+        if not 0 <= ch.start < ch.end <= ch.num_known + len(ch.draft_ids):
             raise ValueError(f"request in slot {ch.slot}: chunk [{ch.start}, {ch.end}) outside its "
                              f"{len(ch.token_ids)} tokens and {len(ch.draft_ids)} drafts")
         if ch.num_draft and (ch.num_draft >= verify_rows or ch.num_draft >= ch.num_tokens):
@@ -133,6 +142,10 @@ def build_step(chunks: Sequence[SeqChunk], buckets: Buckets, *, max_blocks: int,
         q = ch.num_tokens
         sl = slice(f, f + q)
         ids[sl] = ch.tokens(ch.start, ch.end)
+        if ch.pending_row >= 0:
+            if ch.end != ch.num_known or ch.num_draft:
+                raise ValueError(f"request in slot {ch.slot}: a pending token must be the chunk's last position")
+            prev[f + q - 1] = ch.pending_row
         pos[sl] = np.arange(ch.start, ch.end)
         req[sl], valid[sl] = r, True
         keep, dec_floor[r] = kept_rows(q, ch.end, ch.kv_floor, window, ch.trims and decoder_replay)
@@ -160,7 +173,7 @@ def build_step(chunks: Sequence[SeqChunk], buckets: Buckets, *, max_blocks: int,
             engram[: len(h)] = h
     n = len(chunks)
     query_tiles = plan_tiles(first[:n], qlen[:n], buckets.tile_size(T), buckets.tiles(T))
-    rows = Rows(ids, pos, req, valid, first, qlen, query_tiles, engram)
+    rows = Rows(ids, pos, req, valid, first, qlen, query_tiles, engram, prev)
     K = kept_bucket or buckets.token_bucket(len(kept_idx))
     pad = K - len(kept_idx)
     kept_tiles = plan_tiles(kept_first[:n], kept_qlen[:n], buckets.tile_size(K), buckets.tiles(K))

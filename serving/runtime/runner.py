@@ -152,9 +152,10 @@ class Runner:
         self.expert_counts = expert_counts
         kw = dict(fake_quant=rc.fake_quant, expert_counts=expert_counts)
 
-        def seg1(leaves, cache, carry_buf, b):  # one rank's cache, carry and batch
+        def seg1(leaves, cache, carry_buf, b, prev_tokens=None):  # one rank's cache, carry and batch
             with jax.named_scope("segment1"):
-                return segments.segment1(merge(leaves), self.layout, cache, carry_buf, unpacked(b), **kw)
+                return segments.segment1(merge(leaves), self.layout, cache, carry_buf, unpacked(b),
+                                         prev_tokens=prev_tokens, **kw)
 
         def seg2(leaves, cache, carry_buf, b):
             with jax.named_scope("segment2"):
@@ -188,6 +189,8 @@ class Runner:
                 "sample": jax.jit(sample_fn, in_shardings=(rows2, rep), out_shardings=rep)}
         else:
             self.carry_buf = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), spec)
+            # segment 1 takes the previous step's sampled tokens (async scheduling; zeros when no row reads them)
+            self._no_prev = jnp.zeros(rc.max_num_seqs, jnp.int32)
             self._fns = {"seg1": jax.jit(_named(_one_rank(seg1), "segment1"), donate_argnums=(1, 2)),
                          "seg2": jax.jit(_named(_one_rank(seg2), "segment2"), donate_argnums=1),
                          "sample": jax.jit(sample_fn)}
@@ -334,7 +337,7 @@ class Runner:
         name = key[0]
         if name == "seg1":
             b1 = self._example(key[1], key[1]).segment1()
-            self._compile(key, "seg1", self._leaves, self.cache, self.carry_buf, self._put_step(b1))
+            self._compile(key, "seg1", self._leaves, self.cache, self.carry_buf, self._put_step(b1), *self._prev_arg())
         elif name == "seg2":
             b2 = self._example(key[1], key[1]).segment2()
             self._compile(key, "seg2", self._leaves, self.cache, self.carry_buf, self._put_step(b2))
@@ -445,13 +448,26 @@ class Runner:
         logits = seg.logits[jnp.asarray(seg.rows)]
         return logits[:, -1] if self.spec else logits  # speculative: [n, J, V], the last being the chunk's last row
 
-    def _segments(self, chunks: Sequence[SeqChunk], built=None) -> _Segments:
+    @property
+    def supports_async(self) -> bool:
+        """Whether a step can be launched before the previous one is collected, its rows reading that step's sampled
+        tokens on the device (`SeqChunk.pending_row`): one device, no speculative decoding, no Engram (whose hash ids
+        the host computes from the tokens)."""
+        return self.placement is None and not self.spec and self.model.engram is None
+
+    def _prev_arg(self, prev: LaunchedStep | None = None) -> tuple:
+        """Segment 1's previous-tokens argument (one device only; a mesh's segment 1 takes none)."""
+        if self.placement is not None:
+            return ()
+        return (self._no_prev if prev is None else prev.sampled[0],)
+
+    def _segments(self, chunks: Sequence[SeqChunk], built=None, prev: LaunchedStep | None = None) -> _Segments:
         with jax.profiler.TraceAnnotation("runner.build"):
             batch, rows, where = built or self._build(chunks)
         T, K = batch.rows.ids_T.shape[1], batch.kept.row_K.shape[1]
         with jax.profiler.TraceAnnotation("runner.segment1"):
             self.cache, self.carry_buf, counts1 = self._exe_for(("seg1", T))(
-                self._leaves, self.cache, self.carry_buf, self._put_step(batch.segment1()))
+                self._leaves, self.cache, self.carry_buf, self._put_step(batch.segment1()), *self._prev_arg(prev))
         with jax.profiler.TraceAnnotation("runner.segment2"):
             self.cache, logits, prompt_lp, counts2 = self._exe_for(("seg2", K))(
                 self._leaves, self.cache, self.carry_buf, self._put_step(batch.segment2()))
@@ -464,12 +480,17 @@ class Runner:
         return self.collect(self.launch(chunks, params, banned))
 
     def launch(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams | None],
-               banned: Sequence[Sequence[int]] | None = None) -> LaunchedStep:
+               banned: Sequence[Sequence[int]] | None = None, prev: LaunchedStep | None = None) -> LaunchedStep:
         """`step` without its wait: the step's programs are dispatched and the host returns at once, so it can
-        work while the device runs (the engine produces the previous step's text then). `collect` waits."""
+        work while the device runs (the engine produces the previous step's text then). `collect` waits.
+        `prev`: the step launched before this one, not collected yet, whose sampled tokens the chunks with a
+        `pending_row` read (async scheduling, `supports_async`)."""
+        if any(ch.pending_row >= 0 for ch in chunks) and (prev is None or not self.supports_async):
+            raise ValueError("chunks with a pending token need the previous launched step (async scheduling: one "
+                             "device, no speculative decoding, no Engram)")
         if self.spec:
             return self._launch_speculative(chunks, params, banned)
-        seg = self._segments(chunks)
+        seg = self._segments(chunks, prev=prev)
         n_rows = self.ranks * self.rc.max_num_seqs  # chunk i samples from logits row rows[i]
         row_params, row_pos, row_banned = [None] * n_rows, [0] * n_rows, [[] for _ in range(n_rows)]
         for i, r in enumerate(seg.rows):
@@ -561,7 +582,7 @@ def _named(fn, name: str):
 
 def _one_rank(fn):
     """A rank function over batches stacked for one rank (no mesh): the batch's rank dimension dropped."""
-    return lambda leaves, cache, carry, b: fn(leaves, cache, carry, jax.tree.map(lambda a: a[0], b))
+    return lambda leaves, cache, carry, b, *prev: fn(leaves, cache, carry, jax.tree.map(lambda a: a[0], b), *prev)
 
 
 def _spec(a) -> jax.ShapeDtypeStruct:

@@ -21,6 +21,7 @@ compute), for the expert load balancer; otherwise None.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -128,10 +129,17 @@ def split_layer(c) -> int:
 
 
 def segment1(module, layout: CacheLayout, cache: dict, carry_buf: SegmentCarry | None, batch: StepBatch, *,
-             fake_quant: bool, expert_counts: bool = False) -> tuple[dict, SegmentCarry, jax.Array | None]:
-    """(cache, the carry rows in `carry_buf`, expert counts of layers 0 .. cut-1 [cut, E] or None)."""
+             fake_quant: bool, expert_counts: bool = False, prev_tokens: jax.Array | None = None
+             ) -> tuple[dict, SegmentCarry, jax.Array | None]:
+    """(cache, the carry rows in `carry_buf`, expert counts of layers 0 .. cut-1 [cut, E] or None).
+    `prev_tokens`: the previous step's sampled tokens, read by the rows whose `rows.prev_T` names one of them (async
+    scheduling: the host has not seen those tokens yet)."""
     c, cut = layout.config, split_layer(layout.config)
     rows, req = batch.rows, batch.requests
+    if prev_tokens is not None:
+        ids = jnp.where(rows.prev_T >= 0, prev_tokens[jnp.maximum(rows.prev_T, 0)].astype(rows.ids_T.dtype),
+                        rows.ids_T)
+        rows = dataclasses.replace(rows, ids_T=ids)
     at = _RowView(rows.pos_T, rows.req_T, rows.valid_T, rows.tiles, req.kv_floor_R)
     layers = _Layers(layout, batch, fake_quant)
     e = module.embed(rows.ids_T)

@@ -63,6 +63,9 @@ class Rows:
     # Engram hash ids [T, engram layers, (max_ngram - 1) x heads], or with the tables in host memory the rows
     # gathered for them (dsv41.layers.engram.EngramRows); None without Engram
     engram_TEc: jax.Array | None
+    # async scheduling: the previous step's sampled-token row holding the row's token (ids_T has a placeholder
+    # there), -1 for a row whose id is in ids_T
+    prev_T: jax.Array
 
 
 @_pytree

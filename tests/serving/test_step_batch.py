@@ -132,3 +132,20 @@ def test_packed_batch_round_trips_in_one_int32_array(chunks):
     for r in range(2):
         got = jax.jit(lambda q, r=r: unpacked(jax.tree.map(lambda a: a[r], q)))(p)
         jax.tree.map(same, got, jax.tree.map(lambda a: a[r], tree))
+
+
+def test_a_pending_token_names_the_previous_steps_row(chunks):
+    """Async scheduling: a decode chunk whose token is still on the device has a placeholder id and, in prev_T, the
+    previous step's sampled row to read; every other row reads its own id (-1). It must be the chunk's last
+    position."""
+    a, b, _ = chunks
+    toks = _tokens(31, 2)
+    pending = SeqChunk(slot=0, block_table=[3, 4, 6, 0, 2], token_ids=toks[:30], start=30, end=31, pending_row=3)
+    assert pending.num_known == 31 and pending.num_draft == 0 and pending.tokens(29, 31) == [toks[29], 0]
+    rows = _step([a, pending]).rows
+    assert rows.prev_T.tolist() == [-1] * 20 + [3] + [-1] * (len(rows.prev_T) - 21)
+    assert rows.ids_T[20] == 0 and rows.ids_T[:20].tolist() == a.token_ids
+    known = _step([a, b]).rows
+    assert (known.prev_T == -1).all() and known.ids_T[20] == toks[30]
+    with pytest.raises(ValueError, match="pending token must be the chunk's last position"):
+        _step([SeqChunk(slot=0, block_table=[0], token_ids=[1, 2], start=0, end=2, pending_row=0)])

@@ -155,7 +155,7 @@ def test_the_next_step_is_dispatched_before_the_text_is_made(engine, monkeypatch
     (alone,), _ = _serve(engine, [prompt], p)
     events = []
     launch, collect, update = engine.runner.launch, engine.runner.collect, OutputState.update
-    monkeypatch.setattr(engine.runner, "launch", lambda *a: events.append("launch") or launch(*a))
+    monkeypatch.setattr(engine.runner, "launch", lambda *a, **k: events.append("launch") or launch(*a, **k))
     monkeypatch.setattr(engine.runner, "collect", lambda step: events.append("collect") or collect(step))
     monkeypatch.setattr(OutputState, "update", lambda self, *a: events.append("text") or update(self, *a))
     (got,), _ = _serve(engine, [prompt], p)
