@@ -174,7 +174,8 @@ def lower_bucket(runner: Runner, segment: str, tokens: int, platform: str = "cud
     b = runner._example(tokens, tokens)
     batch = runner._put_step(b.segment1() if segment == "seg1" else b.segment2())
     t = time.perf_counter()
-    lowered = runner._fns[segment].trace(runner.param_leaves, runner.cache, runner.carry_buf, batch).lower(
+    prev = runner._prev_arg() if segment == "seg1" else ()  # the program the runner compiles (async scheduling)
+    lowered = runner._fns[segment].trace(runner.param_leaves, runner.cache, runner.carry_buf, batch, *prev).lower(
         lowering_platforms=(platform,))
     return lowered, time.perf_counter() - t
 

@@ -259,17 +259,18 @@ class Scheduler:
         chunk sampled, its emitted tokens (one, or the accepted drafts and the bonus token) are appended, up to
         the first that finishes the request. Returns that finish, if any: EOS (unless ignore_eos) or a stop token
         id once more than `min_tokens` are out, else the length limits (`max_tokens`, `max_model_len`). Stop
-        strings are text: the engine's output handling finds those."""
+        strings are text: the engine's output handling finds those. `pending` (async scheduling): whether
+        `launched` gave the chunk a pending token, which the appended one replaces."""
         req = s.request
         toks = [] if tokens is None else [tokens] if isinstance(tokens, int) else list(tokens)
+        written = s.end - s.num_draft + max(len(toks) - 1, 0)  # the rows of accepted tokens
         if pending is None:
-            req.num_computed = s.end - s.num_draft + max(len(toks) - 1, 0)  # the rows of accepted tokens
+            req.num_computed = written
         else:  # async scheduling: `launched` counted the step's rows, and maybe a pending token, when it went out
             req.num_pending -= pending
         finish = self._append(req, toks) if s.sample else None
         if req.status is Status.RUNNING:  # not preempted while the step ran (its blocks are gone then)
-            self.blocks.commit(req.request_id, req.token_ids, min(s.end - s.num_draft + max(len(toks) - 1, 0),
-                                                                   req.num_tokens))
+            self.blocks.commit(req.request_id, req.token_ids, min(written, req.num_tokens))
         return finish
 
     def _append(self, req: Request, toks: list[int]) -> Finish | None:
