@@ -187,6 +187,11 @@ def xla(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_NPx
         meta.block_table_RM.shape[1] * rows_NPx.shape[1] <= tiles.size * topk_TK.shape[1])
     n_blocks = (jnp.asarray(meta.block_table_RM.shape[1], jnp.int32) if meta.n_blocks is None
                 else jnp.minimum(meta.n_blocks, meta.block_table_RM.shape[1]))
+    # Where the tiles would decode more ring records than the R rings hold (a prefill: W - 1 + size per tile), each
+    # request's ring is decoded once up front; decode steps (a tile per row, R >= rows) decode only what they read.
+    R = meta.slot_R.shape[0]
+    ring_RWd = (records.decode_rows("fp8", ring_SWx[meta.slot_R], d).astype(cdt)
+                if R * W <= tiles.count * (W - 1 + tiles.size) else None)
 
     def one_tile(i):
         rows, qok = tile_rows(tiles, i, T)
@@ -198,7 +203,8 @@ def xla(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_NPx
         u = jnp.arange(W - 1 + tiles.size) - (W - 1)
         kpos = meta.pos_T[first] + u
         own = kv_Td[jnp.clip(kv_row[first] + u, 0, n_kv - 1)].astype(cdt)
-        ring = records.decode_rows("fp8", ring_SWx[meta.slot_R[r], jnp.mod(kpos, W)], d).astype(cdt)
+        ring = (ring_RWd[r, jnp.mod(kpos, W)] if ring_RWd is not None
+                else records.decode_rows("fp8", ring_SWx[meta.slot_R[r], jnp.mod(kpos, W)], d).astype(cdt))
         keys = jnp.where((kpos >= meta.start_R[r])[:, None], own, ring)
         kok = (kpos >= 0) & (kpos >= meta.floor_R[r])
         vis = kok[None] & (kpos[None] <= qpos[:, None]) & (kpos[None] > qpos[:, None] - W)  # [size, W - 1 + size]

@@ -65,6 +65,21 @@ def test_xla_equals_reference(quantized, tile):
     assert_close(sa.xla(*args[:7]), sa.reference(*args[:7]), f"{msg} tile={tile} (SWA only)")
 
 
+@pytest.mark.parametrize("quantized", [True, False])
+def test_xla_reads_a_ring_decoded_up_front_as_one_decoded_per_tile(quantized):
+    """The XLA path decodes each request's SWA ring once when its tiles would decode more records than the rings
+    hold, else per tile what the tile reads: padding the call with unused requests (more rings than rows, as a
+    decode step of a few requests in a large max_num_seqs) switches form, and the output stays bit-equal."""
+    rng, msg = seeded_rng()
+    args = make_case(rng, quantized=quantized)
+    meta, extra = args[6], 10  # 3 + 10 rings of W records > 12 one-row tiles of W records
+    pad = lambda a: jnp.concatenate([a, jnp.zeros((extra, *a.shape[1:]), a.dtype)])  # noqa: E731
+    padded = meta._replace(slot_R=pad(meta.slot_R), start_R=pad(meta.start_R), floor_R=pad(meta.floor_R),
+                           block_table_RM=pad(meta.block_table_RM))
+    once, per_tile = sa.xla(*args), sa.xla(*args[:6], padded, *args[7:])
+    np.testing.assert_array_equal(np.asarray(per_tile), np.asarray(once), err_msg=msg)
+
+
 @pytest.mark.parametrize("tile", [None, 4])
 def test_xla_in_bfloat16_multiplies_in_bfloat16(tile):
     """bf16 queries and rows: the XLA path's products take bf16 operands with float32 sums (as the Pallas kernel;
