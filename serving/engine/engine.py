@@ -88,19 +88,15 @@ class Engine:
         self.eos_id = getattr(tokenizer, "eos_id", model.config.eos_token_id)
         self._preemptions_seen = 0
         self._inflight: _InFlight | None = None  # the step dispatched while the previous one's text was made
-        self.async_scheduling = (args.scheduler.async_scheduling and self.runner.supports_async
-                                 and self.eplb is None)
+        self._async_blocker = async_blocker(args, self.runner, self.eplb is not None)
+        self.async_scheduling = self._async_blocker is None
         self._update_gauges()
 
     def scheduling_summary(self) -> str:
         """One line for the banner: async scheduling, or why steps go one at a time."""
         if self.async_scheduling:
             return "async (each step is dispatched before the previous one's tokens reach the host)"
-        r = self.runner
-        why = ("--no-async-scheduling" if not self.args.scheduler.async_scheduling
-               else "a device mesh" if r.placement is not None else "speculative decoding" if r.spec
-               else "Engram hashes the tokens on the host" if self.model.engram is not None else "EPLB")
-        return f"one step at a time ({why})"
+        return f"one step at a time ({self._async_blocker})"
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *, priority: int = 0,
@@ -362,6 +358,14 @@ class Engine:
             m.rank_requests(rank).set(n)
         m.preemptions.inc(sch.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = sch.num_preemptions
+
+
+def async_blocker(args: EngineArgs, runner: Runner, eplb: bool) -> str | None:
+    """Why the engine schedules one step at a time (the flag, the runner, EPLB's weight moves between steps); None
+    when it schedules each step before the previous one's tokens are read."""
+    if not args.scheduler.async_scheduling:
+        return "--no-async-scheduling"
+    return runner.async_blocker or ("EPLB" if eplb else None)
 
 
 def _top(ids: np.ndarray, lps: np.ndarray, k: int) -> tuple[tuple[int, float], ...]:

@@ -449,11 +449,15 @@ class Runner:
         return logits[:, -1] if self.spec else logits  # speculative: [n, J, V], the last being the chunk's last row
 
     @property
+    def async_blocker(self) -> str | None:
+        """Why a step cannot be launched before the previous one is collected, its rows reading that step's sampled
+        tokens on the device (`SeqChunk.pending_row`); None when it can."""
+        return ("a device mesh" if self.placement is not None else "speculative decoding" if self.spec
+                else "Engram hashes the tokens on the host" if self.model.engram is not None else None)
+
+    @property
     def supports_async(self) -> bool:
-        """Whether a step can be launched before the previous one is collected, its rows reading that step's sampled
-        tokens on the device (`SeqChunk.pending_row`): one device, no speculative decoding, no Engram (whose hash ids
-        the host computes from the tokens)."""
-        return self.placement is None and not self.spec and self.model.engram is None
+        return self.async_blocker is None
 
     def _prev_arg(self, prev: LaunchedStep | None = None) -> tuple:
         """Segment 1's previous-tokens argument (one device only; a mesh's segment 1 takes none)."""

@@ -85,10 +85,13 @@ def test_a_pending_token_is_read_on_the_device(engine):
 
 
 def _both(engine, monkeypatch, requests, **kw):
-    monkeypatch.setattr(engine, "async_scheduling", False)
-    sync = _serve(engine, requests, **kw)
-    monkeypatch.setattr(engine, "async_scheduling", True)
-    return sync, _serve(engine, requests, **kw)
+    """The requests served step by step, then with async scheduling: (outputs, preemptions) of each."""
+    runs = []
+    for mode in (False, True):
+        monkeypatch.setattr(engine, "async_scheduling", mode)
+        before = engine.scheduler.num_preemptions
+        runs.append((_serve(engine, requests, **kw), engine.scheduler.num_preemptions - before))
+    return runs
 
 
 @pytest.mark.parametrize("params", [
@@ -97,9 +100,8 @@ def _both(engine, monkeypatch, requests, **kw):
     ids=["greedy", "seeded"])
 def test_async_steps_give_the_step_by_step_outputs_under_preemption(engine, monkeypatch, params):
     requests = [(f"r{i}", _prompt(i), params) for i in range(3)]
-    before = engine.scheduler.num_preemptions
-    sync, asyn = _both(engine, monkeypatch, requests)
-    assert engine.scheduler.num_preemptions - before >= 2, "three 200-token requests in 5 blocks must preempt"
+    (sync, sync_preempted), (asyn, async_preempted) = _both(engine, monkeypatch, requests)
+    assert sync_preempted and async_preempted, "three 200-token requests in 5 blocks must preempt in either mode"
     for rid, *_ in requests:
         assert asyn[rid][0] == sync[rid][0] and len(sync[rid][0]) == 100 and asyn[rid][2] == "length"
         np.testing.assert_allclose(asyn[rid][1], sync[rid][1], atol=1e-5)
@@ -115,7 +117,7 @@ def test_token_finishes_and_aborts_with_a_row_in_flight(engine, monkeypatch):
     requests = [("stop", _prompt(20, 30), dataclasses.replace(greedy, stop_token_ids=[stop_id])),
                 ("long", _prompt(21, 30), dataclasses.replace(greedy, ignore_eos=True)),
                 ("abort", _prompt(22, 30), dataclasses.replace(greedy, ignore_eos=True))]
-    sync, asyn = _both(engine, monkeypatch, requests, abort_after={"abort": 3})
+    (sync, _), (asyn, _) = _both(engine, monkeypatch, requests, abort_after={"abort": 3})
     assert asyn == sync
     assert asyn["stop"][0] == free[0][:free[0].index(stop_id) + 1] and asyn["stop"][2] == "stop"
     assert len(asyn["long"][0]) == 40 and asyn["abort"][2] == "abort"
@@ -142,14 +144,17 @@ def test_the_next_step_is_dispatched_before_the_previous_is_collected(engine, mo
     assert events == ["launch", "launch", "collect", "text", "launch", "collect", "text", "collect", "text"]
 
 
-def test_the_banner_says_which_scheduling_runs(engine, monkeypatch):
-    assert engine.scheduling_summary().startswith("async")
-    monkeypatch.setattr(engine, "async_scheduling", False)
+def test_what_turns_async_scheduling_off(model, engine, monkeypatch):
+    """The banner line, and the reasons: the flag, EPLB, and a model whose Engram ids the host hashes."""
+    from serving.engine.engine import async_blocker
+
+    assert engine.scheduling_summary().startswith("async") and async_blocker(engine.args, engine.runner, False) is None
     off = dataclasses.replace(engine.args, scheduler=dataclasses.replace(engine.args.scheduler, async_scheduling=False))
-    monkeypatch.setattr(engine, "args", off)
-    assert engine.scheduling_summary() == "one step at a time (--no-async-scheduling)"
-    monkeypatch.undo()
-    monkeypatch.setattr(engine.model, "engram", object())  # a V4.1 model: its Engram ids are hashed on the host
+    assert async_blocker(off, engine.runner, False) == "--no-async-scheduling"
+    assert async_blocker(engine.args, engine.runner, True) == "EPLB"
+    monkeypatch.setattr(model, "engram", object())  # a V4.1 model: its Engram ids are hashed on the host
     assert not engine.runner.supports_async
+    assert async_blocker(engine.args, engine.runner, False) == "Engram hashes the tokens on the host"
     monkeypatch.setattr(engine, "async_scheduling", False)
+    monkeypatch.setattr(engine, "_async_blocker", async_blocker(engine.args, engine.runner, False))
     assert engine.scheduling_summary() == "one step at a time (Engram hashes the tokens on the host)"
