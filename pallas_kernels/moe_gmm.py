@@ -13,10 +13,11 @@ weights, whose decoded values are exact in bf16) with float32 accumulation, SwiG
 weight applied to h before the down projection (h rounded to the compute dtype), the k contributions
 summed in float32.
 
-Grouped layout (xla and pallas): the T*k (token, slot) pairs are ordered by expert with one argsort of T*k
-keys, each expert's group is padded to a multiple of `tile` rows so that every tile belongs to one expert,
-and the static row count is T*k + min(E, T*k) * (tile - 1) rounded up to a tile. Tiles past the last group
-are skipped. Each output row is gathered back from its k rows (no scatter-add over D).
+Grouped layout (pallas and the XLA tile form): the T*k (token, slot) pairs are ordered by expert with one
+argsort of T*k keys, each expert's group is padded to a multiple of `tile` rows so that every tile belongs to
+one expert, and the static row count is T*k + min(E, T*k) * (tile - 1) rounded up to a tile. Tiles past the
+last group are skipped. Each output row is gathered back from its k rows (no scatter-add over D). The XLA
+path's batched form (float weights on CPU) gives every expert a fixed number of rows instead (see `xla`).
 """
 
 from __future__ import annotations
@@ -123,10 +124,14 @@ def _sorted_rows(x_TD, weights_TK, layout: GroupLayout):
     return x[layout.row_pair // k], w[layout.row_pair]
 
 
+def _pair_rows(y_ND, layout: GroupLayout) -> jax.Array:
+    """Every pair's row of the expert-sorted output [T*k, D] float32; dropped pairs read an appended zero row."""
+    return jnp.concatenate([y_ND.astype(jnp.float32), jnp.zeros((1, y_ND.shape[1]), jnp.float32)])[layout.pair_row]
+
+
 def _combine(y_ND, layout: GroupLayout, T: int, k: int, out_dtype):
-    """out[t] = sum_j y[row of (t, j)], float32; dropped pairs read an appended zero row."""
-    y = jnp.concatenate([y_ND.astype(jnp.float32), jnp.zeros((1, y_ND.shape[1]), jnp.float32)])
-    return jnp.sum(y[layout.pair_row].reshape(T, k, -1), axis=1).astype(out_dtype)
+    """out[t] = sum_j y[row of (t, j)], float32."""
+    return jnp.sum(_pair_rows(y_ND, layout).reshape(T, k, -1), axis=1).astype(out_dtype)
 
 
 # ===================================================================================== xla
@@ -144,65 +149,100 @@ def xla_tile(n_pairs: int, n_experts: int) -> int:
     return min(256, max(2, 1 << (per_expert - 1).bit_length()))
 
 
-TILES_PER_STEP = 4  # the XLA path's row tiles per map step (see `xla`)
+TILES_PER_STEP = 4  # the tile form's row tiles per loop step (see `xla`)
 
 
-def xla(x_TD, ids_TK, weights_TK, w1, w3, w2, *, limit: float, out_dtype=jnp.float32, tile: int | None = None,
-        tiles_per_step: int = TILES_PER_STEP):
-    """CPU path: `lax.map` over steps of `tiles_per_step` row tiles, each tile multiplying by its expert's (decoded)
-    weights, the step's tiles as one batched matmul over their gathered experts.
+def batch_capacity(n_pairs: int, n_experts: int) -> int:
+    """The batched form's rows per expert: 1.5 x the mean rows per expert, rounded up to a multiple of 8, at least 8,
+    so that a balanced routing needs no tail (512 tokens x top-6 at random over 64 experts: mean 48, max 65,
+    capacity 72)."""
+    return max(8, -(-3 * n_pairs // (2 * n_experts * 8)) * 8)
 
-    XLA:CPU's ragged_dot costs about E dense matmuls (jax-notes §4.3); this costs the rows actually routed
-    plus at most tile - 1 padding rows per expert. Default tile (`xla_tile`): the mean rows per expert rounded up
-    to a power of two. Measured on the peer V4's MoE (64 MXFP4 experts of 128 x 512, top-6, float32, this CPU),
-    ms per layer by tile, one tile per step: 128 tokens 30.1 / 17.5 / 23.3 at 8 / 16 / 32; 512 tokens 46.0 / 28.1 /
-    58.3 at 32 / 64 / 128; 2,048 tokens 162.5 / 111.6 / 107.2 at 32 / 128 / 256; 8 tokens (a decode batch) 4.6 / 4.9
-    / 5.1-7.4 at 2 / 4 / 8. Several tiles per step (TILES_PER_STEP) give XLA:CPU one batched matmul to spread over
-    its threads instead of a chain of small ones (identical sums: each row's dot is unchanged). Float32 experts of
-    the same shape, the layer alone at the default tile: 8 / 32 tokens 3.8 / 7.2 ms at one tile per step, 2.5 / 4.8
-    at four; 512 tokens 23.8-30.0 vs 16.9-31.3 (noisy). In the peer model's step, old and new alternated 5 times:
-    512-token prefill 0.355 -> 0.337 s, batch-8 decode 27.6 -> 22.1 ms.
-    A step whose (token, choice) pairs' decoded weights fit GATHER_BYTES (a decode step of a few rows of a small
-    model) gathers each pair's expert instead: three batched matrix-vector products rather than a scan whose
-    steps cost more in overhead than in arithmetic. Measured on the peer V4's MoE (64 MXFP4 experts of
-    128 x 512, top-6, float32, this CPU): 1 / 2 / 3 tokens 0.91 / 1.82 / 2.71 ms vs the scan's 1.78 / 3.06 /
-    3.92 ms; at 8 tokens (38 MB gathered) 21.6 vs 7.9 ms, hence the bound."""
+
+def xla(x_TD, ids_TK, weights_TK, w1, w3, w2, *, limit: float, out_dtype=jnp.float32, capacity: int | None = None,
+        tile: int | None = None, tiles_per_step: int = TILES_PER_STEP):
+    """CPU path, no ragged_dot (XLA:CPU's costs about E dense matmuls, jax-notes §4.3), in one of three forms:
+
+    - batched (float weights; `capacity` forces it): every expert's first `capacity` rows (default
+      `batch_capacity`), in expert-sorted order, as x [E, capacity, D], multiplied by the weights in place: three
+      GEMMs batched over the experts, which XLA:CPU runs on its fast (YNNPACK, AMX) path, where the tile form's
+      many small GEMMs cost ~0.1-0.2 ms each whatever their size. The rows past `capacity` of the experts that
+      hold more (an unbalanced routing: the peer checkpoint's random router gives one expert 400-480 of 512
+      tokens) go through the tile form in tiles of `capacity` rows, skipped when there are none. Not for quantized
+      weights: they would all be decoded each call.
+    - tiles (quantized weights; `tile` forces it): a loop over steps of `tiles_per_step` row tiles of one
+      expert each (only the steps holding rows run), the step's tiles as one batched matmul over their gathered,
+      decoded experts: the rows actually routed plus at most tile - 1 padding rows per expert, decoding only the
+      experts the routing touches. Default tile (`xla_tile`): the mean rows per expert rounded up to a power of two.
+    - per pair: a step whose (token, choice) pairs' decoded weights fit GATHER_BYTES (a decode step of a few
+      rows of a small model) gathers each pair's expert: three batched matrix-vector products.
+
+    Every form multiplies each row alone and sums a token's k rows in slot order, so they agree to the bit
+    wherever XLA:CPU's dots sum a row the same way (measured here: bf16 and float32, the peer shape, 0 difference
+    between the batched and tile forms).
+
+    Measured on the peer V4's MoE (64 experts of 128 x 512, top-6, this CPU, weights as arguments), ms per layer:
+    - bf16 experts, random routing, batched vs tiles: 8 / 32 / 128 / 512 / 2,048 tokens 1.5 / 1.7 / 2.5 / 5.1 /
+      31 vs 2.8 / 5.3 / 6.3 / 13.5 / 51; float32 at 8 / 32 / 512: 3.9 / 4.4 / 12.4 vs 4.7 / 8.7 / 26.1. The
+      peer model's own routing at 512 tokens (max 398-481 rows an expert): 9.4-10.8 vs 12.6-15.3; a balanced one
+      4.9 vs 10.6-12.9.
+    - MXFP4 experts, tiles, float32, one tile per step: 128 tokens 30.1 / 17.5 / 23.3 at tile 8 / 16 / 32; 512
+      tokens 46.0 / 28.1 / 58.3 at 32 / 64 / 128; 8 tokens 4.6 / 4.9 / 5.1-7.4 at 2 / 4 / 8. Four tiles per
+      step instead of one: 512-token prefill of the peer model 0.355 -> 0.337 s, batch-8 decode 27.6 -> 22.1 ms.
+    - per pair (MXFP4, float32): 1 / 2 / 3 tokens 0.91 / 1.82 / 2.71 ms vs tiles 1.78 / 3.06 / 3.92 ms; at 8
+      tokens (38 MB gathered) 21.6 vs 7.9 ms, hence the bound."""
     _check(x_TD, ids_TK, weights_TK, w1, w3, w2)
     T, D = x_TD.shape
     k, E = ids_TK.shape[1], w1.shape[0]
     cdt = _compute_dtype(x_TD, w1)
-    if tile is None and ids_TK.size * 3 * w1.shape[1] * D * 4 <= GATHER_BYTES:
+    forced = capacity is not None or tile is not None
+    if not forced and ids_TK.size * 3 * w1.shape[1] * D * 4 <= GATHER_BYTES:
         return _per_pair(x_TD, ids_TK, weights_TK, w1, w3, w2, limit, out_dtype, cdt)
-    tile = tile or xla_tile(ids_TK.size, E)
+    if capacity is not None or (tile is None and not isinstance(w1, QuantizedExperts)):
+        y_PD = _batched_then_tiles(x_TD, ids_TK, weights_TK, w1, w3, w2, limit, cdt,
+                                   capacity or batch_capacity(ids_TK.size, E), tiles_per_step)
+    else:
+        y_PD = _tile_rows(x_TD, ids_TK, weights_TK, w1, w3, w2, limit, cdt, tile or xla_tile(ids_TK.size, E),
+                          tiles_per_step)
+    return _sum_slots(y_PD, T, k, out_dtype)
+
+
+def _sum_slots(y_PD, T: int, k: int, out_dtype) -> jax.Array:
+    """out[t] = sum_j y[t * k + j] in slot order, float32, materialized: XLA:CPU would otherwise fuse the sum with
+    the caller's shared expert and residual update into one YNNPACK fusion whose float32 rounding differs from
+    the same ops unfused, so the model's logits would move (~1e-5 on preset small) whenever its experts run
+    elsewhere, e.g. through the mesh dispatch (sharding.expert_dispatch), which cannot be fused with its caller."""
+    return jax.lax.optimization_barrier(jnp.sum(y_PD.reshape(T, k, -1), axis=1).astype(out_dtype))
+
+
+def _tile_rows(x_TD, ids_TK, weights_TK, w1, w3, w2, limit: float, cdt, tile: int, tiles_per_step: int) -> jax.Array:
+    """The tile form (see `xla`): every pair's output row [T*k, D] float32 (zeros for dropped pairs)."""
+    D, E = x_TD.shape[1], w1.shape[0]
     mm = functools.partial(jnp.einsum, "gti,goi->gto", preferred_element_type=jnp.float32,
                            precision=product_precision(cdt))
     layout = group_layout(ids_TK, E, tile)
-    xs, rw = _sorted_rows(x_TD.astype(cdt), weights_TK, layout)
-    n_t = xs.shape[0] // tile
+    n_t = layout.tile_expert.shape[0]
     G = max(1, min(tiles_per_step, n_t))
     n_s, pad = -(-n_t // G), -n_t % G  # the last step's extra tiles are zero rows of expert E - 1
-    xs = jnp.concatenate([xs, jnp.zeros((pad * tile, D), cdt)]).reshape(n_s, G, tile, D)
-    rw = jnp.concatenate([rw, jnp.zeros((pad * tile,), rw.dtype)]).reshape(n_s, G, tile)
-    tile_expert = jnp.concatenate([layout.tile_expert, jnp.full((pad,), E - 1, jnp.int32)]).reshape(n_s, G)
+    k = ids_TK.shape[1]
+    P = ids_TK.size
+    x = jnp.concatenate([x_TD.astype(cdt), jnp.zeros((1, D), cdt)])  # row T: zeros (padding rows)
+    rw = jnp.concatenate([weights_TK.reshape(-1).astype(jnp.float32), jnp.zeros((1,), jnp.float32)])
+    row_pair = jnp.concatenate([layout.row_pair, jnp.full((pad * tile,), P, jnp.int32)])
+    tile_expert = jnp.concatenate([layout.tile_expert, jnp.full((pad,), E - 1, jnp.int32)])
 
-    def one_step(inputs):
-        x_s, rw_s, e_s, first_tile = inputs
+    def one_step(s, y):
+        pair = jax.lax.dynamic_slice_in_dim(row_pair, s * G * tile, G * tile).reshape(G, tile)
+        e_s = jax.lax.dynamic_slice_in_dim(tile_expert, s * G, G)
+        proj = lambda a, w: mm(a, _experts(w, e_s, cdt))  # noqa: E731
+        x_s = x[pair // k]
+        h = (_swiglu(proj(x_s, w1), proj(x_s, w3), limit) * rw[pair][..., None]).astype(cdt)
+        return jax.lax.dynamic_update_slice_in_dim(y, proj(h, w2).reshape(G * tile, D), s * G * tile, 0)
 
-        def ffn(_):
-            proj = lambda a, w: mm(a, _experts(w, e_s, cdt))  # noqa: E731
-            h = (_swiglu(proj(x_s, w1), proj(x_s, w3), limit) * rw_s[..., None]).astype(cdt)
-            return proj(h, w2)
-
-        # steps past the last tile holding rows are skipped (the tiles with rows are a prefix)
-        return jax.lax.cond(first_tile < layout.n_tiles[0], ffn, lambda _: jnp.zeros((G, tile, D), jnp.float32),
-                            None)
-
-    y = jax.lax.map(one_step, (xs, rw, tile_expert, jnp.arange(n_s, dtype=jnp.int32) * G))
-    # The output materializes: XLA:CPU would otherwise fuse the combine with the caller's shared expert and
-    # residual update into one YNNPACK fusion whose float32 rounding differs from the same ops unfused, so
-    # the model's logits would move (~1e-5 on preset small) whenever its experts run elsewhere, e.g.
-    # through the mesh dispatch (sharding.expert_dispatch), which cannot be fused with its caller.
-    return jax.lax.optimization_barrier(_combine(y.reshape(-1, D)[:n_t * tile], layout, T, k, out_dtype))
+    # only the steps holding rows run (the tiles with rows are a prefix); rows past them are never read
+    n_steps = -(-layout.n_tiles[0] // G)
+    y = jax.lax.fori_loop(0, n_steps, one_step, jnp.zeros((n_s * G * tile, D), jnp.float32))
+    return _pair_rows(y[:n_t * tile], layout)
 
 
 def _experts(w, e: jax.Array, cdt) -> jax.Array:
@@ -228,7 +268,42 @@ def _per_pair(x_TD, ids_TK, weights_TK, w1, w3, w2, limit: float, out_dtype, cdt
     x = jnp.repeat(x_TD.astype(cdt), k, axis=0)  # [P, D]
     h = (_swiglu(mv(x, _experts(w1, e, cdt)), mv(x, _experts(w3, e, cdt)), limit) * rw[:, None]).astype(cdt)
     y = mv(h, _experts(w2, e, cdt))  # [P, D] float32
-    return jax.lax.optimization_barrier(jnp.sum(y.reshape(T, k, -1), axis=1).astype(out_dtype))
+    return _sum_slots(y, T, k, out_dtype)
+
+
+def _batched_then_tiles(x_TD, ids_TK, weights_TK, w1, w3, w2, limit: float, cdt, C: int, tiles_per_step: int
+                        ) -> jax.Array:
+    """The batched form (see `xla`): every pair's output row [T*k, D] float32. Expert e's first C rows (in
+    expert-sorted order) as x [E, C, D] against the weights in place; the rows past C of the experts holding
+    more (an unbalanced routing) through the tile form, in tiles of C rows, only when there are any."""
+    if isinstance(w1, QuantizedExperts):
+        raise ValueError("the batched form multiplies float expert weights in place; quantized ones take tiles")
+    T, D = x_TD.shape
+    k, E = ids_TK.shape[1], w1.shape[0]
+    P = T * k
+    flat = ids_TK.reshape(-1).astype(jnp.int32)
+    key_P = jnp.where((flat >= 0) & (flat < E), flat, E)  # E: dropped
+    order_P = jnp.argsort(key_P, stable=True).astype(jnp.int32)  # pairs, expert-sorted
+    counts_E = jnp.zeros(E + 1, jnp.int32).at[key_P].add(1)[:E]
+    start_E = jnp.cumsum(counts_E) - counts_E
+    e_P = jnp.minimum(key_P, E - 1)
+    rank_P = jnp.zeros(P, jnp.int32).at[order_P].set(jnp.arange(P, dtype=jnp.int32)) - start_E[e_P]
+    at_EC = jnp.arange(C)[None]
+    pair_EC = jnp.where(at_EC < counts_E[:, None], order_P[jnp.minimum(start_E[:, None] + at_EC, P - 1)], P)
+    x_ECD = jnp.concatenate([x_TD.astype(cdt), jnp.zeros((1, D), cdt)])[pair_EC // k]  # row T: zeros
+    rw_EC = jnp.concatenate([weights_TK.reshape(-1).astype(jnp.float32), jnp.zeros((1,), jnp.float32)])[pair_EC]
+    mm = functools.partial(jnp.einsum, "eci,eoi->eco", preferred_element_type=jnp.float32,
+                           precision=product_precision(cdt))
+    h = (_swiglu(mm(x_ECD, w1), mm(x_ECD, w3), limit) * rw_EC[..., None]).astype(cdt)
+    head_P, over_P = (key_P < E) & (rank_P < C), (key_P < E) & (rank_P >= C)  # dropped pairs: neither
+    y_PD = jnp.where(head_P[:, None], mm(h, w2).reshape(E * C, D)[e_P * C + jnp.minimum(rank_P, C - 1)], 0.0)
+
+    def tail(y_PD):
+        y_over_PD = _tile_rows(x_TD, jnp.where(over_P, flat, -1).reshape(T, k), weights_TK, w1, w3, w2, limit, cdt,
+                               C, tiles_per_step)
+        return jnp.where(over_P[:, None], y_over_PD, y_PD)
+
+    return jax.lax.cond(jnp.any(over_P), tail, lambda y: y, y_PD)
 
 
 # ================================================================================== pallas

@@ -52,13 +52,27 @@ def test_xla_and_pallas_match_reference(kind):
     x = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
     w1, w3, w2 = float_weights(rng)
     want = moe_gmm.reference(x, ids, w, w1, w3, w2, limit=LIMIT)
-    assert_close(moe_gmm.xla(x, ids, w, w1, w3, w2, limit=LIMIT, tile=4), want, f"{msg} xla tile 4")
+    tiles = moe_gmm.xla(x, ids, w, w1, w3, w2, limit=LIMIT, tile=4)
+    assert_close(tiles, want, f"{msg} xla tile 4")
+    # the batched form: capacity 2 leaves rows of the fuller experts to its tail (11 in expert 3 when one expert
+    # has every token), 16 holds them all; without a form named, a step this small takes the per-pair form
+    for capacity in (2, 16):
+        got = moe_gmm.xla(x, ids, w, w1, w3, w2, limit=LIMIT, capacity=capacity)
+        assert_close(got, want, f"{msg} xla capacity {capacity}")
+        assert_close(got, tiles, f"{msg} xla capacity {capacity} vs tiles", rtol=1e-6, atol=1e-6)
+    assert_close(moe_gmm.xla(x, ids, w, w1, w3, w2, limit=LIMIT), want, f"{msg} xla per pair")
     got = moe_gmm.routed_experts(x, ids, w, w1, w3, w2, limit=LIMIT, impl="pallas")
     assert_close(got, want, f"{msg} pallas", rtol=2e-5, atol=2e-5)
     if kind == "random":  # the -1 / E slots really contribute nothing
         keep = (ids >= 0) & (ids < E)
         alone = moe_gmm.reference(x, jnp.where(keep, ids, 0), jnp.where(keep, w, 0.0), w1, w3, w2, limit=LIMIT)
         assert_close(want, alone, msg + " dropped slots")
+        # experts renumbered so the last one (where the batched form parks dropped pairs) holds rows
+        flip = jnp.where(keep, E - 1 - ids, ids)
+        want = moe_gmm.reference(x, flip, w, w1, w3, w2, limit=LIMIT)
+        for capacity in (2, 16):
+            got = moe_gmm.xla(x, flip, w, w1, w3, w2, limit=LIMIT, capacity=capacity)
+            assert_close(got, want, f"{msg} dropped slots, xla capacity {capacity}")
 
 
 @pytest.mark.parametrize("tile", [1, 4, 16])
@@ -162,6 +176,27 @@ def test_xla_hlo_has_no_large_sort_and_no_ragged_dot():
     assert ops("dot")
     for head in ops("dot"):
         assert np.prod(sizes(head)) <= moe_gmm.TILES_PER_STEP * tile * max(D, I), head
+
+
+def test_xla_batched_form_reads_the_weights_in_place():
+    """Float weights of a step too large for the per-pair form take the batched form: its three dots read the
+    [E, I, D] / [E, D, I] weights as they are (no gathered copy), x as [E, capacity, D]; the one sort is the pair
+    argsort; the tail's tile loop (an unbalanced routing) runs inside a conditional."""
+    Tq, k, Eq = 64, 4, 8
+    f = lambda *s: jnp.zeros(s, jnp.float32)
+    args = (f(Tq, D), jnp.zeros((Tq, k), jnp.int32), f(Tq, k), f(Eq, I, D), f(Eq, I, D), f(Eq, D, I))
+    assert Tq * k * 3 * I * D * 4 > moe_gmm.GATHER_BYTES
+    C = moe_gmm.batch_capacity(Tq * k, Eq)
+    assert C == 48  # 1.5 x the mean 32 rows
+    hlo = jax.jit(lambda *a: moe_gmm.xla(*a, limit=LIMIT)).lower(*args).compile().as_text()
+    dots = [ln for ln in hlo.splitlines() if re.search(r"\sdot\(", ln)]
+    batched = [ln for ln in dots if f"f32[{Eq},{C},{I}]" in ln or f"f32[{Eq},{C},{D}]" in ln]
+    assert len(batched) == 3, "\n".join(dots)
+    copies = [ln for ln in hlo.splitlines() if re.search(rf"f32\[{Eq},({I},{D}|{D},{I})\].* (gather|copy|fusion)\(", ln)]
+    assert not copies, copies  # the weights are operands as they are, not gathered per expert
+    assert "conditional(" in hlo
+    sorts = [ln for ln in hlo.splitlines() if re.search(r"\ssort\(", ln)]
+    assert sorts and all(f"[{Tq * k}]" in ln for ln in sorts), sorts
 
 
 def test_bad_inputs_named():
