@@ -8,6 +8,8 @@ plus, in compressed layers, the global rows its index source selected. K and V a
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -75,13 +77,22 @@ class Attention(nnx.Module):
 
     def project_out(self, o_THd: jax.Array, out_dtype: jnp.dtype) -> jax.Array:
         """wo_a per group of heads, then wo_b, of the attention output after its inverse RoPE: [T, D]."""
-        T = o_THd.shape[0]
-        o = o_THd.astype(out_dtype)
+        T, G = o_THd.shape[0], self.o_groups
         w = self.wo_a.matrix()
-        og = o.reshape(T, self.o_groups, -1)
-        z = jnp.einsum("tgi,goi->tgo", og.astype(w.dtype), w.reshape(self.o_groups, -1, og.shape[-1]),
-                       preferred_element_type=jnp.float32, precision=matmul_precision(w.dtype))
-        return self.wo_b(z.reshape(T, -1).astype(out_dtype))
+        og = o_THd.astype(out_dtype).reshape(T, G, -1).astype(w.dtype)
+        w_G = w.reshape(G, -1, og.shape[-1])
+        mm = functools.partial(jnp.einsum, preferred_element_type=jnp.float32, precision=matmul_precision(w.dtype))
+        if _split_by_mesh():  # the groups may be split over tensor-parallel ranks: one product XLA partitions
+            z = mm("tgi,goi->tgo", og, w_G).reshape(T, -1)
+        else:  # one 2-D GEMM per group: XLA:CPU runs the batched form ~3x slower (5.0 vs 1.7 ms, peer, bf16, T 512)
+            z = jnp.concatenate([mm("ti,oi->to", og[:, g], w_G[g]) for g in range(G)], axis=1)
+        return self.wo_b(z.astype(out_dtype))
+
+
+def _split_by_mesh() -> bool:
+    """Whether this trace runs under a mesh with an automatically partitioned axis of more than one device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and any(n > 1 and a not in mesh.manual_axes for a, n in mesh.shape.items())
 
 
 def sparse_attention(q_THd: jax.Array, kv_Sd: jax.Array, swa_mask_TS: jax.Array, sink_H: jax.Array,
