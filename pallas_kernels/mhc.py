@@ -29,12 +29,22 @@ def _check(R, y, post, comb, pre, w):
             raise ValueError(f"{name}: expected {shape}, got {a.shape}")
 
 
+def stream_mix(R_TnD, y_TD, post_Tn, comb_Tnn) -> jax.Array:
+    """R'_j = post_j * y + sum_i comb[i, j] R_i, float32 terms added in that order (the kernel's), stored in R's
+    dtype. Written as n multiply-adds that XLA fuses into one pass: the batched product 'tij,tid->tjd' (n x n per
+    token) ran ~3x slower on XLA:CPU (T 512, n 4, D 512: 1.8-2.0 vs 0.6 ms)."""
+    Rf = R_TnD.astype(jnp.float32)
+    mixed = post_Tn.astype(jnp.float32)[..., None] * y_TD.astype(jnp.float32)[:, None, :]
+    for i in range(R_TnD.shape[1]):
+        mixed = mixed + comb_Tnn.astype(jnp.float32)[:, i, :, None] * Rf[:, i, None, :]
+    return mixed.astype(R_TnD.dtype)
+
+
 def reference(R_TnD, y_TD, post_Tn, comb_Tnn, pre_Tn, norm_w_D, *, eps: float):
-    """The spec as the unfused model computes it (stream mix einsum, collapse sum over n, rsqrt norm), op for
-    op, so a model switched to this implementation gives bit-identical outputs to the unfused one."""
+    """The spec as the unfused model computes it (`stream_mix`, collapse sum over n, rsqrt norm), op for op, so a
+    model switched to this implementation gives bit-identical outputs to the unfused one."""
     _check(R_TnD, y_TD, post_Tn, comb_Tnn, pre_Tn, norm_w_D)
-    mixed = jnp.einsum("tij,tid->tjd", comb_Tnn, R_TnD.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
-    R_new = (mixed + post_Tn[..., None] * y_TD.astype(jnp.float32)[:, None, :]).astype(R_TnD.dtype)
+    R_new = stream_mix(R_TnD, y_TD, post_Tn, comb_Tnn)
     u = jnp.sum(pre_Tn[..., None] * R_new.astype(jnp.float32), axis=1).astype(R_TnD.dtype)
     uf = u.astype(jnp.float32)
     x = uf * jax.lax.rsqrt(jnp.mean(uf * uf, axis=-1, keepdims=True) + eps) * norm_w_D.astype(jnp.float32)
@@ -42,15 +52,9 @@ def reference(R_TnD, y_TD, post_Tn, comb_Tnn, pre_Tn, norm_w_D, *, eps: float):
 
 
 def xla(R_TnD, y_TD, post_Tn, comb_Tnn, pre_Tn, norm_w_D, *, eps: float):
-    """CPU path: two einsums and the norm; XLA fuses the elementwise work around them."""
-    _check(R_TnD, y_TD, post_Tn, comb_Tnn, pre_Tn, norm_w_D)
-    hi = jax.lax.Precision.HIGHEST
-    mixed = jnp.einsum("tij,tid->tjd", comb_Tnn, R_TnD.astype(jnp.float32), precision=hi)
-    R_new = (mixed + post_Tn[..., None] * y_TD.astype(jnp.float32)[:, None]).astype(R_TnD.dtype)
-    u = jnp.einsum("ti,tid->td", pre_Tn, R_new.astype(jnp.float32), precision=hi).astype(R_TnD.dtype)
-    uf = u.astype(jnp.float32)
-    x = uf * jax.lax.rsqrt(jnp.mean(uf * uf, axis=-1, keepdims=True) + eps) * norm_w_D.astype(jnp.float32)
-    return R_new, x.astype(R_TnD.dtype)
+    """CPU path: the reference itself. Its multiply-adds and sums over n fuse into a few passes over the streams;
+    the per-token n x n products as einsums (this path before) ran ~3x slower on XLA:CPU."""
+    return reference(R_TnD, y_TD, post_Tn, comb_Tnn, pre_Tn, norm_w_D, eps=eps)
 
 
 def _mhc_kernel(R_ref, y_ref, post_ref, comb_ref, pre_ref, w_ref, Rn_ref, x_ref, *, n, D, block_d, eps):

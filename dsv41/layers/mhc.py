@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv41.layers.basic import matmul_precision
+from pallas_kernels.mhc import stream_mix
 
 
 class HcMix(NamedTuple):
@@ -64,10 +65,9 @@ def sinkhorn(c_Tnn: jax.Array, iters: int, eps: float) -> jax.Array:
 
 
 def hc_post(R_TnD: jax.Array, mix: HcMix, y_TD: jax.Array) -> jax.Array:
-    """R'_j = sum_i comb[i, j] R_i + post_j * y, float32 math, stored in R's dtype."""
-    mixed = jnp.einsum("tij,tid->tjd", mix.comb, R_TnD.astype(jnp.float32),
-                       precision=matmul_precision(jnp.float32))
-    return (mixed + mix.post[..., None] * y_TD.astype(jnp.float32)[:, None, :]).astype(R_TnD.dtype)
+    """R'_j = post_j * y + sum_i comb[i, j] R_i, float32 math, stored in R's dtype (`pallas_kernels.mhc.stream_mix`,
+    whose order of terms the fused kernel shares)."""
+    return stream_mix(R_TnD, y_TD, mix.post, mix.comb)
 
 
 def hc_collapse(R_TnD: jax.Array, pre_Tn: jax.Array) -> jax.Array:
