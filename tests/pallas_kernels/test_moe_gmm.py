@@ -1,7 +1,8 @@
-"""Routed-expert grouped matmul: XLA (scan-tiled) and Pallas (interpret) against the dense reference on
-awkward routings, MXFP4 / FP8 weights decoded in the kernel against the reference on the checkpoint
-decoder's weights, the reference against the model's `Experts`, the XLA path's compiled HLO (no large sort,
-no ragged dot) and both Triton kernels lowered for CUDA at V4.1-Flash sizes."""
+"""Routed-expert grouped matmul: the XLA path's three forms (batched with its tile tail, tiles, per pair) and Pallas
+(interpret) against the dense reference on awkward routings, MXFP4 / FP8 weights decoded in the kernel against the
+reference on the checkpoint decoder's weights, the reference against the model's `Experts`, the XLA path's
+compiled HLO (no large sort, no ragged dot; the batched form's weights read in place) and both Triton kernels
+lowered for CUDA at V4.1-Flash sizes."""
 
 from __future__ import annotations
 
