@@ -94,19 +94,32 @@ def padded_rows(n_pairs: int, n_experts: int, tile: int) -> int:
     return -(-n // tile) * tile
 
 
+def _expert_order(ids_TK: jax.Array, n_experts: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The pairs by expert: (key [T*k]: the pair's expert, E where dropped; order [T*k]: pairs sorted by key,
+    stable; counts [E]; start [E]: each expert's first place in that order). One sort of T*k keys."""
+    flat = ids_TK.reshape(-1).astype(jnp.int32)
+    key = jnp.where((flat >= 0) & (flat < n_experts), flat, n_experts)
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    counts = jnp.zeros(n_experts + 1, jnp.int32).at[key].add(1)[:n_experts]
+    return key, order, counts, jnp.cumsum(counts) - counts
+
+
+def _with_zero_row(x_TD, weights_TK, cdt) -> tuple[jax.Array, jax.Array]:
+    """x [T + 1, D] in `cdt` and the combine weights flat [T*k + 1] float32, each with a zero row last: what
+    padding places and dropped pairs read (pair T*k, token T)."""
+    x = jnp.concatenate([x_TD.astype(cdt), jnp.zeros((1, x_TD.shape[1]), cdt)])
+    return x, jnp.concatenate([weights_TK.reshape(-1).astype(jnp.float32), jnp.zeros((1,), jnp.float32)])
+
+
 def group_layout(ids_TK: jax.Array, n_experts: int, tile: int) -> GroupLayout:
     """Expert-sorted, tile-padded placement of the (token, slot) pairs; one sort of T*k keys."""
     P, E = ids_TK.size, n_experts
     Np = padded_rows(P, E, tile)
-    flat = ids_TK.reshape(-1).astype(jnp.int32)
-    key = jnp.where((flat >= 0) & (flat < E), flat, E)
-    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    key, order, counts, start = _expert_order(ids_TK, E)
     sorted_key = key[order]
-    counts = jnp.zeros(E + 1, jnp.int32).at[key].add(1)[:E]
     padded = (counts + tile - 1) // tile * tile
     padded_end = jnp.cumsum(padded)
     padded_start = padded_end - padded
-    start = jnp.cumsum(counts) - counts
     e = jnp.minimum(sorted_key, E - 1)
     row = jnp.where(sorted_key < E, padded_start[e] + jnp.arange(P, dtype=jnp.int32) - start[e], Np)
     row_pair = jnp.full(Np, P, jnp.int32).at[row].set(order, mode="drop", indices_are_sorted=True)
@@ -118,10 +131,8 @@ def group_layout(ids_TK: jax.Array, n_experts: int, tile: int) -> GroupLayout:
 
 def _sorted_rows(x_TD, weights_TK, layout: GroupLayout):
     """x rows [Np, D] and combine weights [Np] in expert-sorted order (zeros on padding rows)."""
-    k = weights_TK.shape[1]
-    x = jnp.concatenate([x_TD, jnp.zeros((1, x_TD.shape[1]), x_TD.dtype)])
-    w = jnp.concatenate([weights_TK.reshape(-1).astype(jnp.float32), jnp.zeros((1,), jnp.float32)])
-    return x[layout.row_pair // k], w[layout.row_pair]
+    x, w = _with_zero_row(x_TD, weights_TK, x_TD.dtype)
+    return x[layout.row_pair // weights_TK.shape[1]], w[layout.row_pair]
 
 
 def _pair_rows(y_ND, layout: GroupLayout) -> jax.Array:
@@ -226,8 +237,7 @@ def _tile_rows(x_TD, ids_TK, weights_TK, w1, w3, w2, limit: float, cdt, tile: in
     n_s, pad = -(-n_t // G), -n_t % G  # the last step's extra tiles are zero rows of expert E - 1
     k = ids_TK.shape[1]
     P = ids_TK.size
-    x = jnp.concatenate([x_TD.astype(cdt), jnp.zeros((1, D), cdt)])  # row T: zeros (padding rows)
-    rw = jnp.concatenate([weights_TK.reshape(-1).astype(jnp.float32), jnp.zeros((1,), jnp.float32)])
+    x, rw = _with_zero_row(x_TD, weights_TK, cdt)
     row_pair = jnp.concatenate([layout.row_pair, jnp.full((pad * tile,), P, jnp.int32)])
     tile_expert = jnp.concatenate([layout.tile_expert, jnp.full((pad,), E - 1, jnp.int32)])
 
@@ -281,17 +291,13 @@ def _batched_then_tiles(x_TD, ids_TK, weights_TK, w1, w3, w2, limit: float, cdt,
     T, D = x_TD.shape
     k, E = ids_TK.shape[1], w1.shape[0]
     P = T * k
-    flat = ids_TK.reshape(-1).astype(jnp.int32)
-    key_P = jnp.where((flat >= 0) & (flat < E), flat, E)  # E: dropped
-    order_P = jnp.argsort(key_P, stable=True).astype(jnp.int32)  # pairs, expert-sorted
-    counts_E = jnp.zeros(E + 1, jnp.int32).at[key_P].add(1)[:E]
-    start_E = jnp.cumsum(counts_E) - counts_E
+    key_P, order_P, counts_E, start_E = _expert_order(ids_TK, E)
     e_P = jnp.minimum(key_P, E - 1)
     rank_P = jnp.zeros(P, jnp.int32).at[order_P].set(jnp.arange(P, dtype=jnp.int32)) - start_E[e_P]
     at_EC = jnp.arange(C)[None]
     pair_EC = jnp.where(at_EC < counts_E[:, None], order_P[jnp.minimum(start_E[:, None] + at_EC, P - 1)], P)
-    x_ECD = jnp.concatenate([x_TD.astype(cdt), jnp.zeros((1, D), cdt)])[pair_EC // k]  # row T: zeros
-    rw_EC = jnp.concatenate([weights_TK.reshape(-1).astype(jnp.float32), jnp.zeros((1,), jnp.float32)])[pair_EC]
+    x, rw = _with_zero_row(x_TD, weights_TK, cdt)
+    x_ECD, rw_EC = x[pair_EC // k], rw[pair_EC]
     mm = functools.partial(jnp.einsum, "eci,eoi->eco", preferred_element_type=jnp.float32,
                            precision=product_precision(cdt))
     h = (_swiglu(mm(x_ECD, w1), mm(x_ECD, w3), limit) * rw_EC[..., None]).astype(cdt)
@@ -299,8 +305,8 @@ def _batched_then_tiles(x_TD, ids_TK, weights_TK, w1, w3, w2, limit: float, cdt,
     y_PD = jnp.where(head_P[:, None], mm(h, w2).reshape(E * C, D)[e_P * C + jnp.minimum(rank_P, C - 1)], 0.0)
 
     def tail(y_PD):
-        y_over_PD = _tile_rows(x_TD, jnp.where(over_P, flat, -1).reshape(T, k), weights_TK, w1, w3, w2, limit, cdt,
-                               C, tiles_per_step)
+        ids_over = jnp.where(over_P.reshape(T, k), ids_TK, -1)
+        y_over_PD = _tile_rows(x_TD, ids_over, weights_TK, w1, w3, w2, limit, cdt, C, tiles_per_step)
         return jnp.where(over_P[:, None], y_over_PD, y_PD)
 
     return jax.lax.cond(jnp.any(over_P), tail, lambda y: y, y_PD)
