@@ -163,6 +163,14 @@ def xla_tile(n_pairs: int, n_experts: int) -> int:
 TILES_PER_STEP = 4  # the tile form's row tiles per loop step (see `xla`)
 
 
+# The batched form's widest expert blocks (rows per expert) that put bfloat16 weights on the left of its products
+# (h = W x^T per expert; float32 ones ran no faster that way): XLA:CPU's GEMM repacks its right operand on every
+# call, which for a few rows per expert is a second pass over the weights. Peer shape (64 experts of 128 x 512,
+# top-6), bf16, ms per layer, right vs left: 8 / 32 / 128 tokens (capacity 8 / 8 / 24) 2.3-2.5 / 2.4-3.0 /
+# 2.9-4.2 vs 1.6 / 1.8-2.2 / 2.5-4.0; 512 tokens (capacity 72) 4.4-8.9 vs 5.3-15.2. The same bits either way.
+WEIGHTS_LEFT_MAX_ROWS = 32
+
+
 def batch_capacity(n_pairs: int, n_experts: int) -> int:
     """The batched form's rows per expert: 1.5 x the mean rows per expert, rounded up to a multiple of 8, at least 8,
     so that a balanced routing needs no tail (512 tokens x top-6 at random over 64 experts: mean 48, max 65,
@@ -175,9 +183,10 @@ def xla(x_TD, ids_TK, weights_TK, w1, w3, w2, *, limit: float, out_dtype=jnp.flo
     """CPU path, no ragged_dot (XLA:CPU's costs about E dense matmuls, jax-notes §4.3), in one of three forms:
 
     - batched (float weights; `capacity` forces it): every expert's first `capacity` rows (default
-      `batch_capacity`), in expert-sorted order, as x [E, capacity, D], multiplied by the weights in place: three
-      GEMMs batched over the experts, which XLA:CPU runs on its fast (YNNPACK, AMX) path, where the tile form's
-      many small GEMMs cost ~0.1-0.2 ms each whatever their size. The rows past `capacity` of the experts that
+      `batch_capacity`), in expert-sorted order, as x [E, capacity, D], multiplied by the weights in place (on
+      the left of the products up to WEIGHTS_LEFT_MAX_ROWS bf16 rows per expert): three GEMMs batched over the
+      experts, which XLA:CPU runs on its fast (YNNPACK, AMX) path, where the tile form's many small GEMMs cost
+      ~0.1-0.2 ms each whatever their size. The rows past `capacity` of the experts that
       hold more (an unbalanced routing: the peer checkpoint's random router gives one expert 400-480 of 512
       tokens) go through the tile form in tiles of `capacity` rows, skipped when there are none. Not for quantized
       weights: they would all be decoded each call.
@@ -298,11 +307,18 @@ def _batched_then_tiles(x_TD, ids_TK, weights_TK, w1, w3, w2, limit: float, cdt,
     pair_EC = jnp.where(at_EC < counts_E[:, None], order_P[jnp.minimum(start_E[:, None] + at_EC, P - 1)], P)
     x, rw = _with_zero_row(x_TD, weights_TK, cdt)
     x_ECD, rw_EC = x[pair_EC // k], rw[pair_EC]
-    mm = functools.partial(jnp.einsum, "eci,eoi->eco", preferred_element_type=jnp.float32,
-                           precision=product_precision(cdt))
-    h = (_swiglu(mm(x_ECD, w1), mm(x_ECD, w3), limit) * rw_EC[..., None]).astype(cdt)
+    mm = functools.partial(jnp.einsum, preferred_element_type=jnp.float32, precision=product_precision(cdt))
+    c_P = jnp.minimum(rank_P, C - 1)
+    if C <= WEIGHTS_LEFT_MAX_ROWS and cdt == jnp.bfloat16:  # h and y per expert transposed: [E, I, C], [E, D, C]
+        h = _swiglu(mm("eoi,eci->eoc", w1, x_ECD), mm("eoi,eci->eoc", w3, x_ECD), limit)
+        h = (h * rw_EC[:, None]).astype(cdt)
+        y_head_PD = mm("eoi,eic->eoc", w2, h)[e_P, :, c_P]
+    else:
+        h = _swiglu(mm("eci,eoi->eco", x_ECD, w1), mm("eci,eoi->eco", x_ECD, w3), limit)
+        h = (h * rw_EC[..., None]).astype(cdt)
+        y_head_PD = mm("eci,eoi->eco", h, w2).reshape(E * C, D)[e_P * C + c_P]
     head_P, over_P = (key_P < E) & (rank_P < C), (key_P < E) & (rank_P >= C)  # dropped pairs: neither
-    y_PD = jnp.where(head_P[:, None], mm(h, w2).reshape(E * C, D)[e_P * C + jnp.minimum(rank_P, C - 1)], 0.0)
+    y_PD = jnp.where(head_P[:, None], y_head_PD, 0.0)
 
     def tail(y_PD):
         ids_over = jnp.where(over_P.reshape(T, k), ids_TK, -1)

@@ -56,8 +56,9 @@ def test_xla_and_pallas_match_reference(kind):
     tiles = moe_gmm.xla(x, ids, w, w1, w3, w2, limit=LIMIT, tile=4)
     assert_close(tiles, want, f"{msg} xla tile 4")
     # the batched form: capacity 2 leaves rows of the fuller experts to its tail (11 in expert 3 when one expert
-    # has every token), 16 holds them all; without a form named, a step this small takes the per-pair form
-    for capacity in (2, 16):
+    # has every token), 16 and 40 hold them all (40: the weights on the right of the products, the others on the
+    # left); without a form named, a step this small takes the per-pair form
+    for capacity in (2, 16, 40):
         got = moe_gmm.xla(x, ids, w, w1, w3, w2, limit=LIMIT, capacity=capacity)
         assert_close(got, want, f"{msg} xla capacity {capacity}")
         assert_close(got, tiles, f"{msg} xla capacity {capacity} vs tiles", rtol=1e-6, atol=1e-6)
@@ -71,9 +72,26 @@ def test_xla_and_pallas_match_reference(kind):
         # experts renumbered so the last one (where the batched form parks dropped pairs) holds rows
         flip = jnp.where(keep, E - 1 - ids, ids)
         want = moe_gmm.reference(x, flip, w, w1, w3, w2, limit=LIMIT)
-        for capacity in (2, 16):
+        for capacity in (2, 16, 40):
             got = moe_gmm.xla(x, flip, w, w1, w3, w2, limit=LIMIT, capacity=capacity)
             assert_close(got, want, f"{msg} dropped slots, xla capacity {capacity}")
+
+
+@pytest.mark.parametrize("kind", ["random", "one_expert_all_tokens", "duplicates"])
+def test_xla_batched_form_bf16_weights_left_and_right(kind):
+    """bf16 experts: the batched form with the weights on the left of its products (capacity 2, with a tail, and
+    16) gives the bits of the same form with them on the right (capacity 40), and the reference's values."""
+    rng, msg = seeded_rng()
+    ids, w = routing(rng, kind)
+    x = jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16)
+    w1, w3, w2 = (a.astype(jnp.bfloat16) for a in float_weights(rng))
+    assert 16 <= moe_gmm.WEIGHTS_LEFT_MAX_ROWS < 40
+    want = moe_gmm.reference(x, ids, w, w1, w3, w2, limit=LIMIT)
+    right = moe_gmm.xla(x, ids, w, w1, w3, w2, limit=LIMIT, capacity=40)
+    assert_close(right, want, f"{msg} capacity 40", rtol=2e-2, atol=2e-2)
+    for capacity in (2, 16):
+        got = moe_gmm.xla(x, ids, w, w1, w3, w2, limit=LIMIT, capacity=capacity)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(right), f"{msg} capacity {capacity} vs 40")
 
 
 @pytest.mark.parametrize("tile", [1, 4, 16])
@@ -179,21 +197,25 @@ def test_xla_hlo_has_no_large_sort_and_no_ragged_dot():
         assert np.prod(sizes(head)) <= moe_gmm.TILES_PER_STEP * tile * max(D, I), head
 
 
-def test_xla_batched_form_reads_the_weights_in_place():
+@pytest.mark.parametrize("Eq,C,left", [(8, 48, False), (32, 16, True)])
+def test_xla_batched_form_reads_the_weights_in_place(Eq, C, left):
     """Float weights of a step too large for the per-pair form take the batched form: its three dots read the
-    [E, I, D] / [E, D, I] weights as they are (no gathered copy), x as [E, capacity, D]; the one sort is the pair
+    [E, I, D] / [E, D, I] weights as they are (no gathered copy), x as [E, capacity, D], the weights on the left
+    of the products (outputs [E, I | D, C]) up to WEIGHTS_LEFT_MAX_ROWS rows per expert; the one sort is the pair
     argsort; the tail's tile loop (an unbalanced routing) runs inside a conditional."""
-    Tq, k, Eq = 64, 4, 8
-    f = lambda *s: jnp.zeros(s, jnp.float32)
+    Tq, k = 64, 4
+    dt = jnp.bfloat16 if left else jnp.float32  # the weights go left in bf16 only
+    f = lambda *s: jnp.zeros(s, dt)
     args = (f(Tq, D), jnp.zeros((Tq, k), jnp.int32), f(Tq, k), f(Eq, I, D), f(Eq, I, D), f(Eq, D, I))
     assert Tq * k * 3 * I * D * 4 > moe_gmm.GATHER_BYTES
-    C = moe_gmm.batch_capacity(Tq * k, Eq)
-    assert C == 48  # 1.5 x the mean 32 rows
+    assert moe_gmm.batch_capacity(Tq * k, Eq) == C  # 1.5 x the mean rows
+    assert (C <= moe_gmm.WEIGHTS_LEFT_MAX_ROWS) == left
     hlo = jax.jit(lambda *a: moe_gmm.xla(*a, limit=LIMIT)).lower(*args).compile().as_text()
     dots = [ln for ln in hlo.splitlines() if re.search(r"\sdot\(", ln)]
-    batched = [ln for ln in dots if f"f32[{Eq},{C},{I}]" in ln or f"f32[{Eq},{C},{D}]" in ln]
+    shapes = [f"f32[{Eq},{I},{C}]", f"f32[{Eq},{D},{C}]"] if left else [f"f32[{Eq},{C},{I}]", f"f32[{Eq},{C},{D}]"]
+    batched = [ln for ln in dots if any(s in ln.split("=")[1].split("dot(")[0] for s in shapes)]
     assert len(batched) == 3, "\n".join(dots)
-    weight_copy = rf"f32\[{Eq},({I},{D}|{D},{I})\].* (gather|copy|fusion)\("
+    weight_copy = rf"(f32|bf16)\[{Eq},({I},{D}|{D},{I})\].* (gather|copy|fusion)\("
     copies = [ln for ln in hlo.splitlines() if re.search(weight_copy, ln)]
     assert not copies, copies  # the weights are operands as they are, not gathered per expert
     assert "conditional(" in hlo
