@@ -32,7 +32,7 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels import records
 from pallas_kernels.common import product_dtype, product_precision
 from pallas_kernels.dispatch import interpret_default, resolve_impl
-from pallas_kernels.tiles import QueryTiles, map_tiles, plan_or_rows, scatter_rows, tile_rows
+from pallas_kernels.tiles import QueryTiles, map_tiles, plan_or_rows, tile_rows, to_flat_rows
 
 BIG = jnp.iinfo(jnp.int32).max
 
@@ -188,7 +188,7 @@ def _dense_xla(q, w, keys, meta, tiles, k, cand_block, n_cand_blocks):
         return out + ((jnp.where(cand[0] == -jnp.inf, -1, cand[1]),) if K else ())
 
     ids, *cids = map_tiles(one_tile, tiles)
-    return scatter_rows(ids, tiles, T, -1), (scatter_rows(cids[0], tiles, T, -1) if K else None)
+    return to_flat_rows(ids, tiles, T, -1), (to_flat_rows(cids[0], tiles, T, -1) if K else None)
 
 
 def _candidates_xla(q, w, keys, meta, tiles, k, cand, cand_block):
@@ -211,7 +211,7 @@ def _candidates_xla(q, w, keys, meta, tiles, k, cand, cand_block):
         top, at = jax.lax.top_k(sc, min(k, sc.shape[1]))
         return _pad_ids(jnp.where(top == -jnp.inf, -1, jnp.take_along_axis(rid, at, axis=-1)), k)
 
-    return scatter_rows(map_tiles(one_tile, tiles), tiles, T, -1)
+    return to_flat_rows(map_tiles(one_tile, tiles), tiles, T, -1)
 
 
 def xla(q_Thc, w_Th, keys_NPx, meta: IndexMeta, *, k: int, candidates_TK=None, cand_block: int = 8,

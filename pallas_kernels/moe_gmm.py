@@ -186,10 +186,10 @@ def xla(x_TD, ids_TK, weights_TK, w1, w3, w2, *, limit: float, out_dtype=jnp.flo
       `batch_capacity`), in expert-sorted order, as x [E, capacity, D], multiplied by the weights in place (on
       the left of the products up to WEIGHTS_LEFT_MAX_ROWS bf16 rows per expert): three GEMMs batched over the
       experts, which XLA:CPU runs on its fast (YNNPACK, AMX) path, where the tile form's many small GEMMs cost
-      ~0.1-0.2 ms each whatever their size. The rows past `capacity` of the experts that
-      hold more (an unbalanced routing: the peer checkpoint's random router gives one expert 400-480 of 512
-      tokens) go through the tile form in tiles of `capacity` rows, skipped when there are none. Not for quantized
-      weights: they would all be decoded each call.
+      ~0.1-0.2 ms each whatever their size. The rows past `capacity` of the experts that hold more (an
+      unbalanced routing: the peer checkpoint's random router gives one expert 400-480 of 512 tokens) go through
+      the tile form in tiles of `capacity` rows, skipped when there are none. Not for quantized weights: they
+      would all be decoded each call.
     - tiles (quantized weights; `tile` forces it): a loop over steps of `tiles_per_step` row tiles of one
       expert each (only the steps holding rows run), the step's tiles as one batched matmul over their gathered,
       decoded experts: the rows actually routed plus at most tile - 1 padding rows per expert, decoding only the
@@ -293,8 +293,9 @@ def _per_pair(x_TD, ids_TK, weights_TK, w1, w3, w2, limit: float, out_dtype, cdt
 def _batched_then_tiles(x_TD, ids_TK, weights_TK, w1, w3, w2, limit: float, cdt, C: int, tiles_per_step: int
                         ) -> jax.Array:
     """The batched form (see `xla`): every pair's output row [T*k, D] float32. Expert e's first C rows (in
-    expert-sorted order) as x [E, C, D] against the weights in place; the rows past C of the experts holding
-    more (an unbalanced routing) through the tile form, in tiles of C rows, only when there are any."""
+    expert-sorted order) as x [E, C, D] against the weights in place (bf16 weights on the left of the products up
+    to WEIGHTS_LEFT_MAX_ROWS rows); the rows past C of the experts holding more (an unbalanced routing) through the
+    tile form, in tiles of C rows, only when there are any (its own sort of the pairs: the cost of a rare case)."""
     if isinstance(w1, QuantizedExperts):
         raise ValueError("the batched form multiplies float expert weights in place; quantized ones take tiles")
     T, D = x_TD.shape

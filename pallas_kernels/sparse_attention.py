@@ -37,7 +37,7 @@ from pallas_kernels import records
 from pallas_kernels.common import (FP8_OUT_BLOCK, fp8_block_cast, full_width_angles, product_dtype,
                                    product_precision, rotate, rotate_tail)
 from pallas_kernels.dispatch import interpret_default, resolve_impl
-from pallas_kernels.tiles import QueryTiles, map_tiles, plan_or_rows, scatter_rows, tile_rows
+from pallas_kernels.tiles import QueryTiles, map_tiles, plan_or_rows, tile_rows, to_flat_rows
 
 
 class AttnMeta(NamedTuple):
@@ -227,7 +227,7 @@ def xla(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_NPx
             out = out + mm("uhk,ukd->uhd", probs[1], values[1])
         return jnp.where(qok[:, None, None], out / denom, 0.0)
 
-    out = scatter_rows(map_tiles(one_tile, tiles), tiles, T, 0.0)  # [T, H, d]
+    out = to_flat_rows(map_tiles(one_tile, tiles), tiles, T, 0.0)  # [T, H, d]
     return _finish(out, cos_Tr, sin_Tr, out_fp8)
 
 

@@ -74,7 +74,7 @@ def map_tiles(fn, tiles: QueryTiles):
     return jax.lax.map(fn, jnp.arange(NT), batch_size=min(TILE_GROUP, NT))
 
 
-def scatter_rows(x_NTu: jax.Array, tiles: QueryTiles, num_rows: int, fill) -> jax.Array:
+def to_flat_rows(x_NTu: jax.Array, tiles: QueryTiles, num_rows: int, fill) -> jax.Array:
     """Per-tile rows [NT, size, ...] back to the flat layout [num_rows, ...]; rows no tile covers get `fill`.
 
     Each flat row's tile slot is scattered (NT * size integers), then the rows are gathered: XLA:CPU scatters
