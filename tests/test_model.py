@@ -129,3 +129,22 @@ def test_compiled_forward_keeps_topk_custom_calls(tiny, ids):
     for shape, dim in re.findall(r"\[([\d,]+)\][^ ]* sort\(.*?dimensions=\{(\d+)\}", hlo):
         assert int(shape.split(",")[int(dim)]) == pairs, (shape, dim)
     assert len(re.findall(r"TopK", hlo, flags=re.IGNORECASE)) >= 8 + 3 + 1  # 8 routers, 3 indexers, candidates
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_grouped_output_projection_forms_agree(monkeypatch, dtype):
+    """project_out's batched form (few rows, or a mesh) and its per-group GEMMs (many rows): the same bits in bfloat16;
+    float32 sums the same products in another order (XLA:CPU's GEMMs), so they agree to rounding."""
+    import dsv41.layers.attention as attention
+
+    attn = dsv41.random_model("tiny", seed=2, dtype=dtype).module.layers[0].attn
+    o = jnp.asarray(np.random.default_rng(3).standard_normal((12, attn.n_heads, attn.head_dim)), jnp.float32)
+    outs = []
+    for rows in (0, 64):  # 0: per-group GEMMs at any row count; 64: the batched form at 12 rows
+        monkeypatch.setattr(attention, "GROUPED_BATCHED_MAX_ROWS", rows)
+        outs.append(np.asarray(attn.project_out(o, attn.wo_b.matrix().dtype).astype(jnp.float32)))
+    assert attn.o_groups > 1 and np.abs(outs[0]).max() > 0
+    if dtype == "bfloat16":
+        np.testing.assert_array_equal(outs[0], outs[1])
+    else:
+        np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)

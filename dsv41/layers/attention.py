@@ -22,6 +22,9 @@ from dsv41.layers.rope import apply_rope
 from dsv41.quant import fake_quant_fp8
 
 
+GROUPED_BATCHED_MAX_ROWS = 256  # the grouped output projection's batched form up to this many rows (project_out)
+
+
 class Attention(nnx.Module):
     """wq_a [q, D], q_norm [q], wq_b [H*d, q], wkv [d, D], kv_norm [d], wo_a [G*o, H*d/G], wo_b [D, G*o],
     attn_sink [H]; plus `compressor` on KV sources and `indexer` on index sources."""
@@ -82,9 +85,13 @@ class Attention(nnx.Module):
         og = o_THd.astype(out_dtype).reshape(T, G, -1).astype(w.dtype)
         w_G = w.reshape(G, -1, og.shape[-1])
         mm = functools.partial(jnp.einsum, preferred_element_type=jnp.float32, precision=matmul_precision(w.dtype))
-        if _split_by_mesh():  # the groups may be split over tensor-parallel ranks: one product XLA partitions
+        # One batched product: what XLA partitions when the groups are split over tensor-parallel ranks, and on
+        # XLA:CPU the faster form up to a few hundred rows (the per-group GEMMs copy each group's weight slice first:
+        # peer, bf16, T 8: 0.23 vs 0.57 ms); at more rows one 2-D GEMM per group (T 512: 1.45 vs 1.9 ms). The same
+        # bits in bfloat16; float32 sums in another order (they agree to rounding, tests/test_model.py).
+        if _split_by_mesh() or T <= GROUPED_BATCHED_MAX_ROWS:
             z = mm("tgi,goi->tgo", og, w_G).reshape(T, -1)
-        else:  # one 2-D GEMM per group: XLA:CPU runs the batched form ~3x slower (5.0 vs 1.7 ms, peer, bf16, T 512)
+        else:
             z = jnp.concatenate([mm("ti,oi->to", og[:, g], w_G[g]) for g in range(G)], axis=1)
         return self.wo_b(z.astype(out_dtype))
 

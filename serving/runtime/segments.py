@@ -80,8 +80,9 @@ class _Layers:
             kv = attn.project_kv(x_TD, cos, sin, self.fake_quant)
             kv_all, kv_row = kv, None
             if role.is_kv_source:
-                cache, raw = global_kv.publish_source(layout, block, x_TD, at.pos_T, at.req_T, at.valid_T, req,
-                                                      cache, self.fake_quant)
+                with jax.named_scope("kv_write"):
+                    cache, raw = global_kv.publish_source(layout, block, x_TD, at.pos_T, at.req_T, at.valid_T, req,
+                                                          cache, self.fake_quant)
                 if raw is not None and layout.draft_stages:
                     self.raw_tails[role.layer_id] = raw
         else:
@@ -94,8 +95,10 @@ class _Layers:
         elif role.attn_kind != "swa":  # V4.1's compressed layers, V4's CSA
             if role.is_index_source:
                 queries = lambda: attn.indexer.queries(x_TD, qr, cos, sin, self.fake_quant)  # noqa: E731
-                ids, cand = global_kv.select_rows(layout, block, queries, at.pos_T, at.req_T, at.tiles, req,
-                                                  self.index_blocks_2, cache["keys"][role.kv_source], self.candidates)
+                with jax.named_scope("indexer"):
+                    ids, cand = global_kv.select_rows(layout, block, queries, at.pos_T, at.req_T, at.tiles, req,
+                                                      self.index_blocks_2, cache["keys"][role.kv_source],
+                                                      self.candidates)
                 self.topk[role.layer_id] = ids
                 if role.is_candidate_source:
                     self.candidates = cand
@@ -105,8 +108,9 @@ class _Layers:
             n_blocks = self.index_blocks_2[INDEX_RATIOS.index(c.compress_ratios[role.kv_source])]
         meta = AttnMeta(at.pos_T, at.req_T, req.slot_R, req.start_R, at.floor_R, req.block_table_RM, kv_row, at.tiles,
                         n_blocks)
-        o = sparse_attention(q, cos, sin, attn.attn_sink[...], kv_all, cache["swa"][role.layer_id], meta,
-                             rows_cache=rows_cache, topk_Tk=topk, impl=block.kernel_impl)
+        with jax.named_scope("sparse_mla"):
+            o = sparse_attention(q, cos, sin, attn.attn_sink[...], kv_all, cache["swa"][role.layer_id], meta,
+                                 rows_cache=rows_cache, topk_Tk=topk, impl=block.kernel_impl)
         last_rows = at.valid_T & (at.pos_T >= req.end_R[at.req_T] - layout.window)
         o, ring = kv_cache.after_reads(o, cache["swa"][role.layer_id])
         cache = {**cache, "swa": {**cache["swa"], role.layer_id: write_ring(
@@ -119,7 +123,9 @@ def _counts(on: bool, choices: list[jax.Array], valid_T: jax.Array, module) -> j
     if not on:
         return None
     E = module.layers[0].ffn.n_experts
-    return jnp.stack([expert_load.expert_counts(sel, valid_T, E) for sel in choices]) if choices else jnp.zeros((0, E), jnp.int32)
+    if not choices:
+        return jnp.zeros((0, E), jnp.int32)
+    return jnp.stack([expert_load.expert_counts(sel, valid_T, E) for sel in choices])
 
 
 def split_layer(c) -> int:

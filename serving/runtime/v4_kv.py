@@ -51,9 +51,16 @@ def publish(layout: CacheLayout, block, x_TD: jax.Array, pos_T: jax.Array, req_T
     cache = dict(cache)
 
     def pool(comp: V4Compressor, group: str) -> jax.Array:
-        pooled, ring = _pool_closing(comp, x_TD, pos_T, req_T, valid_T, requests, cache[group][s], t_C)
-        cache[group] = {**cache[group], s: ring}
-        return comp.norm(pooled, x_TD.dtype)
+        ring = cache[group][s]
+        raw_T2w = jnp.stack([comp.wkv(x_TD, jnp.float32), comp.wgate(x_TD, jnp.float32) + comp.ape[...][pos_T % r]], 1)
+        pooled = lambda: _pool_closing(comp, raw_T2w, pos_T, req_T, requests, ring, t_C)  # noqa: E731
+        if r > T:  # a window closes in few such steps (an HCA layer's decode: 1 in 128): skip its pooling in the rest
+            pooled_Cd = jax.lax.cond(jnp.any(ok_C), pooled, lambda: jnp.zeros((n_close, comp.head_dim), jnp.float32))
+        else:
+            pooled_Cd = pooled()
+        pooled_Cd, ring = kv_cache.after_reads(pooled_Cd, ring)
+        cache[group] = {**cache[group], s: _advance_ring(raw_T2w, pos_T, req_T, valid_T, requests, ring)}
+        return comp.norm(pooled_Cd, x_TD.dtype)
 
     rows = apply_rope(pool(block.attn.compressor, "pool"), cos, sin)
     rows = fake_quant_nvfp4(rows) if fake_quant else rows
@@ -67,13 +74,12 @@ def publish(layout: CacheLayout, block, x_TD: jax.Array, pos_T: jax.Array, req_T
     return cache
 
 
-def _pool_closing(comp: V4Compressor, x_TD: jax.Array, pos_T: jax.Array, req_T: jax.Array, valid_T: jax.Array,
-                  requests: Requests, ring_NSw: jax.Array, t_C: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(pooled float32 rows [C, d] of the windows closing at rows t_C, the compressor's ring with this step's
-    last S positions of each request written)."""
+def _pool_closing(comp: V4Compressor, raw_T2w: jax.Array, pos_T: jax.Array, req_T: jax.Array, requests: Requests,
+                  ring_NSw: jax.Array, t_C: jax.Array) -> jax.Array:
+    """Pooled float32 rows [C, d] of the windows closing at rows t_C, from this step's raw [kv, gate + ape] rows
+    [T, 2, w] and the compressor's ring (the positions before each request's first one of the step)."""
     r, d = comp.ratio, comp.head_dim
-    T, S = x_TD.shape[0], ring_NSw.shape[1]
-    raw_T2w = jnp.stack([comp.wkv(x_TD, jnp.float32), comp.wgate(x_TD, jnp.float32) + comp.ape[...][pos_T % r]], 1)
+    T, S = raw_T2w.shape[0], ring_NSw.shape[1]
     p_C, rq_C = pos_T[t_C], req_T[t_C]
     q_CS = p_C[:, None] - (S - 1) + jnp.arange(S)  # the window's positions, oldest first
     in_step = q_CS >= requests.start_R[rq_C][:, None]
@@ -85,8 +91,13 @@ def _pool_closing(comp: V4Compressor, x_TD: jax.Array, pos_T: jax.Array, req_T: 
         kv = jnp.concatenate([kv[:, :r, :d], kv[:, r:, d:]], axis=1)
         gate = jnp.concatenate([gate[:, :r, :d], gate[:, r:, d:]], axis=1)
     gate = jnp.where((q_CS >= 0)[:, :, None], gate, -jnp.inf)
-    pooled = jnp.sum(jax.nn.softmax(gate, axis=1) * kv, axis=1)
+    return jnp.sum(jax.nn.softmax(gate, axis=1) * kv, axis=1)
+
+
+def _advance_ring(raw_T2w: jax.Array, pos_T: jax.Array, req_T: jax.Array, valid_T: jax.Array, requests: Requests,
+                  ring_NSw: jax.Array) -> jax.Array:
+    """The ring with each request's last S positions of this step written (position q at q % S)."""
+    S = ring_NSw.shape[1]
     keep = valid_T & (pos_T >= requests.end_R[req_T] - S)
     slot = jnp.where(keep, requests.slot_R[req_T], ring_NSw.shape[0])  # out of range -> dropped
-    pooled, ring_NSw = kv_cache.after_reads(pooled, ring_NSw)
-    return pooled, ring_NSw.at[slot, pos_T % S].set(raw_T2w, mode="drop")
+    return ring_NSw.at[slot, pos_T % S].set(raw_T2w, mode="drop")
