@@ -80,8 +80,8 @@ def publish_source(layout: CacheLayout, block, x_TD: jax.Array, pos_T: jax.Array
 
 
 def select_rows(layout: CacheLayout, block, queries: Callable[[], tuple[jax.Array, jax.Array]], pos_T: jax.Array,
-                req_T: jax.Array, tiles: QueryTiles, requests: Requests, index_blocks_2: jax.Array, keys_cache: jax.Array,
-                candidates_TK: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
+                req_T: jax.Array, tiles: QueryTiles, requests: Requests, index_blocks_2: jax.Array,
+                keys_cache: jax.Array, candidates_TK: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
     """Index source `block`: its top-k global row ids [T, index_topk] (-1 = none) and, at the candidate source,
     the chosen candidate blocks [T, candidate_topk_blocks] (else None). `queries()`: the index queries [T, ih, c]
     and head weights [T, ih], traced only where the indexer runs. `candidates_TK`: the candidate source's blocks,

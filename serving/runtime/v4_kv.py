@@ -8,7 +8,8 @@ every V4 KV source keeps the raw [kv, gate + ape] of its request's last S positi
 in `cache["index_pool"]`). A row closing at position p (p % r == r - 1) reads positions p - S + 1 .. p from
 this step's rows where the step has them and from the ring below the request's first position of the step;
 positions < 0 weigh nothing (CSA's window 0). At most T // r + min(T, R) rows close in a step of T rows and R
-requests, so only those are pooled. Rows closing below the write floor (a prefix hit's cached rows) are kept.
+requests, so only those are pooled; a step of fewer rows than r (every decode step of an HCA layer) pools only when
+one of its windows closes. Rows closing below the write floor (a prefix hit's cached rows) are kept.
 
 Prefix hits are block aligned and a block holds whole ratio-128 windows (`CacheLayout` checks it), so a window
 closing at or after the hit starts at or after it: the replayed rows refill the ring before any row reads it.
@@ -53,11 +54,12 @@ def publish(layout: CacheLayout, block, x_TD: jax.Array, pos_T: jax.Array, req_T
     def pool(comp: V4Compressor, group: str) -> jax.Array:
         ring = cache[group][s]
         raw_T2w = jnp.stack([comp.wkv(x_TD, jnp.float32), comp.wgate(x_TD, jnp.float32) + comp.ape[...][pos_T % r]], 1)
-        pooled = lambda: _pool_closing(comp, raw_T2w, pos_T, req_T, requests, ring, t_C)  # noqa: E731
+        closing_rows = lambda: _pool_closing(comp, raw_T2w, pos_T, req_T, requests, ring, t_C)  # noqa: E731
         if r > T:  # a window closes in few such steps (an HCA layer's decode: 1 in 128): skip its pooling in the rest
-            pooled_Cd = jax.lax.cond(jnp.any(ok_C), pooled, lambda: jnp.zeros((n_close, comp.head_dim), jnp.float32))
+            pooled_Cd = jax.lax.cond(jnp.any(ok_C), closing_rows,
+                                     lambda: jnp.zeros((n_close, comp.head_dim), jnp.float32))
         else:
-            pooled_Cd = pooled()
+            pooled_Cd = closing_rows()
         pooled_Cd, ring = kv_cache.after_reads(pooled_Cd, ring)
         cache[group] = {**cache[group], s: _advance_ring(raw_T2w, pos_T, req_T, valid_T, requests, ring)}
         return comp.norm(pooled_Cd, x_TD.dtype)

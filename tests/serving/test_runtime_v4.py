@@ -75,6 +75,22 @@ def test_replay_off_any_chunking_equals_full_forward(model, exact, chunks):
     assert _max_err(got, full_logits(model, d.reqs["a"].tokens)) <= TOL
 
 
+def test_steps_of_fewer_rows_than_a_csa_window_equal_full_forward(model):
+    """Steps padded to 2 rows, fewer than CSA's ratio 4: its compressors pool only in the steps where a window closes
+    (`v4_kv.publish`'s cond). Two requests a row apart: most steps close a window in one of them and not the other."""
+    d = Driver(compiled_runner(model, **{**RC, "token_buckets": (2, 64)}, swa_bounded_replay=False))
+    prompts = {"a": _prompt(5, 11), "b": _prompt(6, 9)}
+    for rid, p in prompts.items():
+        d.start(rid, p)
+    got = {rid: {} for rid in prompts}
+    for work in [{"a": 1}] + [{"a": 1, "b": 1}] * 10:
+        for rid, out in d.step({rid: n for rid, n in work.items() if d.reqs[rid].computed < len(prompts[rid])}).items():
+            got[rid][d.reqs[rid].computed - 1] = out
+    assert sorted(got["a"]) == list(range(11)) and sorted(got["b"]) == list(range(9))
+    for rid in prompts:
+        assert _max_err(got[rid], full_logits(model, d.reqs[rid].tokens)) <= TOL, rid
+
+
 def test_batched_requests_equal_full_forward(model, exact):
     d = Driver(exact)
     prompts = {"a": _prompt(1, 140), "b": _prompt(2, 37), "c": _prompt(3, 129)}
