@@ -23,10 +23,18 @@ path's batched form (float weights on CPU) gives every expert a fixed number of 
 from __future__ import annotations
 
 import functools
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import jaxlib
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
@@ -163,12 +171,10 @@ def xla_tile(n_pairs: int, n_experts: int) -> int:
 TILES_PER_STEP = 4  # the tile form's row tiles per loop step (see `xla`)
 
 
-# The batched form's widest expert blocks (rows per expert) that put bfloat16 weights on the left of its products
-# (h = W x^T per expert; float32 ones ran no faster that way): XLA:CPU's GEMM repacks its right operand on every
-# call, which for a few rows per expert is a second pass over the weights. Peer shape (64 experts of 128 x 512,
-# top-6), bf16, ms per layer, right vs left: 8 / 32 / 128 tokens (capacity 8 / 8 / 24) 2.3-2.5 / 2.4-3.0 /
-# 2.9-4.2 vs 1.6 / 1.8-2.2 / 2.5-4.0; 512 tokens (capacity 72) 4.4-8.9 vs 5.3-15.2. The same bits either way.
-WEIGHTS_LEFT_MAX_ROWS = 32
+# The widest expert blocks (batched capacity, rows per expert) of a "small step" (decode), whose form is `xla`'s
+# `small_steps`: where the rows are few, the batched form may put the weights on the left of its products
+# (h = W x^T per expert), tiles may beat it, and which wins is the CPU's (see `xla`).
+SMALL_STEP_MAX_ROWS = 32
 
 
 def batch_capacity(n_pairs: int, n_experts: int) -> int:
@@ -179,12 +185,12 @@ def batch_capacity(n_pairs: int, n_experts: int) -> int:
 
 
 def xla(x_TD, ids_TK, weights_TK, w1, w3, w2, *, limit: float, out_dtype=jnp.float32, capacity: int | None = None,
-        tile: int | None = None, tiles_per_step: int = TILES_PER_STEP):
+        tile: int | None = None, tiles_per_step: int = TILES_PER_STEP, small_steps: str = "rule"):
     """CPU path, no ragged_dot (XLA:CPU's costs about E dense matmuls, jax-notes §4.3), in one of three forms:
 
     - batched (float weights; `capacity` forces it): every expert's first `capacity` rows (default
       `batch_capacity`), in expert-sorted order, as x [E, capacity, D], multiplied by the weights in place (on
-      the left of the products up to WEIGHTS_LEFT_MAX_ROWS bf16 rows per expert): three GEMMs batched over the
+      the right of the products; on the left in the "batched_left" small-step form): three GEMMs batched over the
       experts, which XLA:CPU runs on its fast (YNNPACK, AMX) path, where the tile form's many small GEMMs cost
       ~0.1-0.2 ms each whatever their size. The rows past `capacity` of the experts that hold more (an
       unbalanced routing: the peer checkpoint's random router gives one expert 400-480 of 512 tokens) go through
@@ -196,6 +202,14 @@ def xla(x_TD, ids_TK, weights_TK, w1, w3, w2, *, limit: float, out_dtype=jnp.flo
       experts the routing touches. Default tile (`xla_tile`): the mean rows per expert rounded up to a power of two.
     - per pair: a step whose (token, choice) pairs' decoded weights fit GATHER_BYTES (a decode step of a few
       rows of a small model) gathers each pair's expert: three batched matrix-vector products.
+
+    Steps of few rows per expert (float weights, a batched capacity <= SMALL_STEP_MAX_ROWS: decode steps) take
+    the form `small_steps` names: "rule" (batched), one of SMALL_STEP_FORMS, or "tune" (the serving runtime's
+    default): the fastest on this machine of the forms that give the rule's bits here (`tuned_small_step_form`).
+    Which wins is the CPU's: at 8 tokens of the peer shape in bf16, ms per layer, left / right / tiles: 1.6 /
+    2.3-2.5 / 2.8 on a 2-core AMX Xeon, 3.8 / 2.6 / 1.5 on a 2-core AVX512-BF16 EPYC (no AMX), whose bf16 product
+    [64, 128, 512] x [64, 512, 8] alone took 1.15 ms with the weights left and 0.41 ms right. On that EPYC the
+    weights-left products sum in another order (1 ulp of float32 apart), on the AMX Xeon they gave the same bits.
 
     Every form multiplies each row alone and sums a token's k rows in slot order, so they agree to the bit
     wherever XLA:CPU's dots sum a row the same way (measured here: bf16 and float32, the peer shape, 0 difference
@@ -212,19 +226,92 @@ def xla(x_TD, ids_TK, weights_TK, w1, w3, w2, *, limit: float, out_dtype=jnp.flo
     - per pair (MXFP4, float32): 1 / 2 / 3 tokens 0.91 / 1.82 / 2.71 ms vs tiles 1.78 / 3.06 / 3.92 ms; at 8
       tokens (38 MB gathered) 21.6 vs 7.9 ms, hence the bound."""
     _check(x_TD, ids_TK, weights_TK, w1, w3, w2)
+    if small_steps not in SMALL_STEPS:
+        raise ValueError(f"small_steps must be one of {SMALL_STEPS}, got {small_steps!r}")
     T, D = x_TD.shape
-    k, E = ids_TK.shape[1], w1.shape[0]
+    k, (E, I) = ids_TK.shape[1], w1.shape[:2]
     cdt = _compute_dtype(x_TD, w1)
     forced = capacity is not None or tile is not None
-    if not forced and ids_TK.size * 3 * w1.shape[1] * D * 4 <= GATHER_BYTES:
+    if not forced and ids_TK.size * 3 * I * D * 4 <= GATHER_BYTES:
         return _per_pair(x_TD, ids_TK, weights_TK, w1, w3, w2, limit, out_dtype, cdt)
-    if capacity is not None or (tile is None and not isinstance(w1, QuantizedExperts)):
-        y_PD = _batched_then_tiles(x_TD, ids_TK, weights_TK, w1, w3, w2, limit, cdt,
-                                   capacity or batch_capacity(ids_TK.size, E), tiles_per_step)
-    else:
+    C = capacity or batch_capacity(ids_TK.size, E)
+    form = "tiles" if tile is not None or (capacity is None and isinstance(w1, QuantizedExperts)) else "batched_right"
+    if form == "batched_right" and C <= SMALL_STEP_MAX_ROWS and small_steps != "rule":
+        form = tuned_small_step_form(T, k, E, I, D, cdt) if small_steps == "tune" else small_steps
+    if form == "tiles":
         y_PD = _tile_rows(x_TD, ids_TK, weights_TK, w1, w3, w2, limit, cdt, tile or xla_tile(ids_TK.size, E),
                           tiles_per_step)
+    else:
+        y_PD = _batched_then_tiles(x_TD, ids_TK, weights_TK, w1, w3, w2, limit, cdt, C, tiles_per_step,
+                                   weights_left=form == "batched_left")
     return _sum_slots(y_PD, T, k, out_dtype)
+
+
+SMALL_STEP_FORMS = ("batched_left", "batched_right", "tiles")
+SMALL_STEPS = ("rule", "tune", *SMALL_STEP_FORMS)
+
+
+_tuning_file: Path | None = None  # where tuned forms persist across processes (None: this process only)
+
+
+def set_tuning_file(path: str | Path | None) -> None:
+    """Keep `tuned_small_step_form`'s choices in this JSON file (the serving runtime puts it beside its compiled
+    programs), so a restart on the same machine and versions times nothing."""
+    global _tuning_file
+    _tuning_file = Path(path) if path else None
+
+
+@functools.cache
+def tuned_small_step_form(T: int, k: int, E: int, I: int, D: int, dtype: jnp.dtype) -> str:
+    """The fastest form on this machine for a T-row step of this MoE shape (float experts in `dtype`, a uniform random
+    routing) among SMALL_STEP_FORMS that give the rule's (batched, weights right) bits here on random inputs, so the
+    choice never moves a result: each compiled alone (~1 s each), then 7 rounds of one run of each, medians. Once per
+    process, and once per machine where a tuning file is set. Runs where a program is traced (a bucket's first
+    compile), eagerly."""
+    key = repr((T, k, E, I, D, str(dtype), jax.__version__, jaxlib.__version__, platform.machine(), _cpu_model()))
+    stored = _read_tuning()
+    if stored.get(key) in SMALL_STEP_FORMS:
+        return stored[key]
+    with jax.ensure_compile_time_eval():
+        kx, kw, k1, k3, k2 = jax.random.split(jax.random.key(0), 5)
+        x = jax.random.normal(kx, (T, D), dtype)
+        ids = jnp.argsort(jax.random.uniform(kw, (T, E)), axis=1)[:, :k].astype(jnp.int32)
+        w = jnp.full((T, k), 1.0 / k, jnp.float32)
+        w1, w3 = (jax.random.normal(kk, (E, I, D), dtype) / D ** 0.5 for kk in (k1, k3))
+        w2 = jax.random.normal(k2, (E, D, I), dtype) / I ** 0.5
+        args = (x, ids, w, w1, w3, w2)
+        runs = {form: jax.jit(functools.partial(xla, limit=10.0, small_steps=form)) for form in SMALL_STEP_FORMS}
+        rule = jax.device_get(runs["batched_right"](*args))
+        runs = {form: run for form, run in runs.items() if np.array_equal(jax.device_get(run(*args)), rule)}
+        seconds: dict[str, list[float]] = {form: [] for form in runs}
+        for _ in range(7):
+            for form, run in runs.items():
+                t = time.perf_counter()
+                run(*args).block_until_ready()
+                seconds[form].append(time.perf_counter() - t)
+    best = min(seconds, key=lambda form: float(np.median(seconds[form])))
+    if _tuning_file is not None:
+        _tuning_file.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=_tuning_file.parent, delete=False, suffix=".tmp") as f:
+            json.dump({**_read_tuning(), key: best}, f, indent=0)
+        os.replace(f.name, _tuning_file)
+    return best
+
+
+def _read_tuning() -> dict:
+    try:
+        return json.loads(_tuning_file.read_text()) if _tuning_file is not None else {}
+    except (OSError, ValueError):  # absent or torn: tune again
+        return {}
+
+
+@functools.cache
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        return ""
 
 
 def _sum_slots(y_PD, T: int, k: int, out_dtype) -> jax.Array:
@@ -290,11 +377,11 @@ def _per_pair(x_TD, ids_TK, weights_TK, w1, w3, w2, limit: float, out_dtype, cdt
     return _sum_slots(y, T, k, out_dtype)
 
 
-def _batched_then_tiles(x_TD, ids_TK, weights_TK, w1, w3, w2, limit: float, cdt, C: int, tiles_per_step: int
-                        ) -> jax.Array:
+def _batched_then_tiles(x_TD, ids_TK, weights_TK, w1, w3, w2, limit: float, cdt, C: int, tiles_per_step: int, *,
+                        weights_left: bool) -> jax.Array:
     """The batched form (see `xla`): every pair's output row [T*k, D] float32. Expert e's first C rows (in
-    expert-sorted order) as x [E, C, D] against the weights in place (bf16 weights on the left of the products up
-    to WEIGHTS_LEFT_MAX_ROWS rows); the rows past C of the experts holding more (an unbalanced routing) through the
+    expert-sorted order) as x [E, C, D] against the weights in place (on the left of the products with
+    `weights_left`); the rows past C of the experts holding more (an unbalanced routing) through the
     tile form, in tiles of C rows, only when there are any (its own sort of the pairs: the cost of a rare case)."""
     if isinstance(w1, QuantizedExperts):
         raise ValueError("the batched form multiplies float expert weights in place; quantized ones take tiles")
@@ -310,7 +397,7 @@ def _batched_then_tiles(x_TD, ids_TK, weights_TK, w1, w3, w2, limit: float, cdt,
     x_ECD, rw_EC = x[pair_EC // k], rw[pair_EC]
     mm = functools.partial(jnp.einsum, preferred_element_type=jnp.float32, precision=product_precision(cdt))
     c_P = jnp.minimum(rank_P, C - 1)
-    if C <= WEIGHTS_LEFT_MAX_ROWS and cdt == jnp.bfloat16:  # h and y per expert transposed: [E, I, C], [E, D, C]
+    if weights_left:  # h and y per expert transposed: [E, I, C], [E, D, C]
         h = _swiglu(mm("eoi,eci->eoc", w1, x_ECD), mm("eoi,eci->eoc", w3, x_ECD), limit)
         h = (h * rw_EC[:, None]).astype(cdt)
         y_head_PD = mm("eoi,eic->eoc", w2, h)[e_P, :, c_P]
@@ -475,7 +562,11 @@ def pallas(x_TD, ids_TK, weights_TK, w1, w3, w2, *, limit: float, out_dtype=jnp.
 
 # ================================================================================ dispatch
 def routed_experts(x_TD, ids_TK, weights_TK, w1, w3, w2, *, limit: float, out_dtype=jnp.float32,
-                   impl: str = "auto"):
-    """sum_j weights[t, j] * expert_{ids[t, j]}(x_t) [T, D] through the chosen implementation."""
-    fn = {"reference": reference, "xla": xla, "pallas": pallas}[resolve_impl(impl)]
+                   impl: str = "auto", small_steps: str = "rule"):
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x_t) [T, D] through the chosen implementation (`small_steps`: the
+    XLA path's form for steps of few rows per expert, see `xla`)."""
+    impl = resolve_impl(impl)
+    if impl == "xla":
+        return xla(x_TD, ids_TK, weights_TK, w1, w3, w2, limit=limit, out_dtype=out_dtype, small_steps=small_steps)
+    fn = {"reference": reference, "pallas": pallas}[impl]
     return fn(x_TD, ids_TK, weights_TK, w1, w3, w2, limit=limit, out_dtype=out_dtype)

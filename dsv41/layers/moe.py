@@ -20,7 +20,7 @@ from pallas_kernels.expert_weights import (
     QuantizedExperts,
     reference_dequantize,
 )
-from pallas_kernels.moe_gmm import routed_experts
+from pallas_kernels.moe_gmm import SMALL_STEPS, routed_experts
 from pallas_kernels.router import route
 
 
@@ -73,6 +73,16 @@ def set_kernel_impl(module: nnx.Module, impl: str) -> None:
             m.kernel_impl = impl
 
 
+def set_small_steps(module: nnx.Module, form: str) -> None:
+    """The routed experts' form for steps of few rows per expert on the XLA path (`pallas_kernels.moe_gmm.xla`'s
+    `small_steps`: "rule", "tune" or a form) in every `Experts` under `module`; static, like `kernel_impl`."""
+    if form not in SMALL_STEPS:
+        raise ValueError(f"small_steps must be one of {SMALL_STEPS}, got {form!r}")
+    for _, m in nnx.iter_modules(module):
+        if isinstance(m, Experts):
+            m.small_steps = form
+
+
 class Experts(nnx.Module):
     """Routed experts stacked: w1, w3 [E, I, D], w2 [E, D, I] (release: ffn.experts.e.w{1,2,3}).
 
@@ -85,6 +95,7 @@ class Experts(nnx.Module):
     def __init__(self, n_experts: int, dim: int, inter: int, limit: float, *, dtype: jnp.dtype):
         self.limit = limit
         self.kernel_impl = "auto"
+        self.small_steps = "rule"  # the XLA path's form for few rows per expert (see `set_small_steps`)
         self.weight_kind: str | None = None  # None: float weights; "mxfp4": release records
         self.w1 = nnx.Param(jnp.zeros((n_experts, inter, dim), dtype))
         self.w3 = nnx.Param(jnp.zeros((n_experts, inter, dim), dtype))
@@ -116,7 +127,8 @@ class Experts(nnx.Module):
 
     def __call__(self, x_TD: jax.Array, ids_TK: jax.Array, weights_TK: jax.Array) -> jax.Array:
         """sum_j weights[t, j] * expert_{ids[t, j]}(x_t), float32 [T, D]."""
-        return routed_experts(x_TD, ids_TK, weights_TK, *self.weights(), limit=self.limit, impl=self.kernel_impl)
+        return routed_experts(x_TD, ids_TK, weights_TK, *self.weights(), limit=self.limit, impl=self.kernel_impl,
+                              small_steps=self.small_steps)
 
 
 class SharedExpert(nnx.Module):

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pallas_kernels import IMPLS
+from pallas_kernels.moe_gmm import SMALL_STEPS
 from serving.runtime.kv_cache import FORMATS
 from serving.runtime.speculative import SpeculativeConfig
 
@@ -50,6 +51,11 @@ class RuntimeConfig:
     kernel_impl: str = field(default="auto", metadata={
         "choices": IMPLS, "help": "fused-op implementation (pallas_kernels): auto = pallas on a GPU, xla "
                                   "elsewhere; xla or reference is the fallback if a Pallas kernel misbehaves"})
+    moe_small_steps: str = field(default="tune", metadata={
+        "choices": SMALL_STEPS, "help": "routed experts of steps with few rows per expert (decode) on the XLA path "
+                                        "(CPU), float experts: tune = the fastest form on this machine, timed when "
+                                        "such a bucket is first traced (~0.5 s); rule = batched, weights left in "
+                                        "bf16; or one form"})
 
     def __post_init__(self):
         if isinstance(self.speculative_config, (dict, SpeculativeConfig)):  # LLM(speculative_config={...})
@@ -60,7 +66,8 @@ class RuntimeConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
-        for name, allowed in (("kv_cache_dtype", FORMATS), ("kernel_impl", IMPLS)):
+        for name, allowed in (("kv_cache_dtype", FORMATS), ("kernel_impl", IMPLS),
+                              ("moe_small_steps", SMALL_STEPS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.token_buckets is not None and (not self.token_buckets or min(self.token_buckets) < 1

@@ -33,6 +33,8 @@ from typing import Callable
 import jax
 from jax.experimental import serialize_executable
 
+from pallas_kernels import moe_gmm
+
 DEFAULT_MAX_BYTES = 8 << 30
 _folder: Path | None = None
 _max_bytes: int | None = DEFAULT_MAX_BYTES
@@ -44,6 +46,7 @@ def set_folder(folder: str | Path | None, max_bytes: int | None = DEFAULT_MAX_BY
     global _folder, _max_bytes
     _folder = Path(folder) if folder else None
     _max_bytes = max_bytes
+    moe_gmm.set_tuning_file(_folder / "moe_small_steps.json" if _folder else None)
 
 
 # the packages whose code becomes the step programs (the server, engine and API only call them)

@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 import dsv41
-from dsv41.layers.moe import set_kernel_impl
+from dsv41.layers.moe import set_kernel_impl, set_small_steps
 from serving.runtime import exe_cache, kv_cache, segments, spec_step
 from serving.runtime.config import RuntimeConfig
 from serving.runtime.batch import Buckets, SeqChunk, build_step, token_ladder
@@ -145,6 +145,7 @@ class Runner:
                   else token_ladder(rc.max_num_batched_tokens, c.sliding_window, smallest=smallest))
         self.buckets = Buckets(ladder, rc.max_num_seqs, rc.tile)
         set_kernel_impl(model.module, rc.kernel_impl)
+        set_small_steps(model.module, rc.moe_small_steps)
         graphdef, state = nnx.split(model.module)
         self._leaves, treedef = jax.tree.flatten(state)
         self._graph = (graphdef, treedef)

@@ -6,6 +6,7 @@ lowered for CUDA at V4.1-Flash sizes."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import jax
@@ -77,21 +78,63 @@ def test_xla_and_pallas_match_reference(kind):
             assert_close(got, want, f"{msg} dropped slots, xla capacity {capacity}")
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("kind", ["random", "one_expert_all_tokens", "duplicates"])
-def test_xla_batched_form_bf16_weights_left_and_right(kind):
-    """bf16 experts: the batched form with the weights on the left of its products (capacity 2, with a tail, and
-    16) gives the bits of the same form with them on the right (capacity 40), and the reference's values."""
+def test_small_step_forms_agree(dtype, kind, monkeypatch):
+    """A step of few rows per expert in each of SMALL_STEP_FORMS (what the tuner picks between; one expert holding
+    every token: the batched forms' tail runs): the reference's values; tiles give the rule's (weights right) bits,
+    the weights-left products its values to float32 rounding (the same bits on an AMX Xeon, 1 ulp apart on an
+    AVX512-BF16 EPYC); an unknown form is refused by name."""
+    monkeypatch.setattr(moe_gmm, "GATHER_BYTES", 0)  # not the per-pair form
     rng, msg = seeded_rng()
     ids, w = routing(rng, kind)
-    x = jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16)
-    w1, w3, w2 = (a.astype(jnp.bfloat16) for a in float_weights(rng))
-    assert 16 <= moe_gmm.WEIGHTS_LEFT_MAX_ROWS < 40
-    want = moe_gmm.reference(x, ids, w, w1, w3, w2, limit=LIMIT)
-    right = moe_gmm.xla(x, ids, w, w1, w3, w2, limit=LIMIT, capacity=40)
-    assert_close(right, want, f"{msg} capacity 40", rtol=2e-2, atol=2e-2)
-    for capacity in (2, 16):
-        got = moe_gmm.xla(x, ids, w, w1, w3, w2, limit=LIMIT, capacity=capacity)
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(right), f"{msg} capacity {capacity} vs 40")
+    assert moe_gmm.batch_capacity(ids.size, E) <= moe_gmm.SMALL_STEP_MAX_ROWS  # a small step
+    x = jnp.asarray(rng.standard_normal((T, D)), dtype)
+    w1, w3, w2 = (a.astype(dtype) for a in float_weights(rng))
+    rule = moe_gmm.xla(x, ids, w, w1, w3, w2, limit=LIMIT)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == jnp.bfloat16 else {}
+    assert_close(rule, moe_gmm.reference(x, ids, w, w1, w3, w2, limit=LIMIT), msg, **tol)
+    assert moe_gmm.SMALL_STEP_FORMS == ("batched_left", "batched_right", "tiles")
+    right, tiles = (moe_gmm.xla(x, ids, w, w1, w3, w2, limit=LIMIT, small_steps=f) for f in ("batched_right", "tiles"))
+    np.testing.assert_array_equal(np.asarray(right), np.asarray(rule), msg)
+    np.testing.assert_array_equal(np.asarray(tiles), np.asarray(rule), f"{msg} tiles")
+    left = moe_gmm.xla(x, ids, w, w1, w3, w2, limit=LIMIT, small_steps="batched_left")
+    assert_close(left, rule, f"{msg} batched_left", rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="small_steps must be one of"):
+        moe_gmm.xla(x, ids, w, w1, w3, w2, limit=LIMIT, small_steps="fastest")
+
+
+def test_tuned_form_is_timed_once_per_machine_and_compiled(tmp_path, monkeypatch):
+    """`tuned_small_step_form` times the forms, keeps its pick in the tuning file, and a new process (its cache
+    cleared) reads it back without compiling anything; a "tune" step compiles the program of the form it names."""
+    path = tmp_path / "moe_small_steps.json"
+    monkeypatch.setattr(moe_gmm, "_tuning_file", None)
+    moe_gmm.set_tuning_file(path)
+    tuned = moe_gmm.tuned_small_step_form
+    shape = (16, 3, E, I, D, jnp.dtype(jnp.float32))
+    try:
+        tuned.cache_clear()
+        form = tuned(*shape)
+        assert form in moe_gmm.SMALL_STEP_FORMS
+        stored = json.loads(path.read_text())
+        assert list(stored.values()) == [form] and "(16, 3, 8, 96, 64, 'float32'" in next(iter(stored))
+        tuned.cache_clear()
+        with monkeypatch.context() as m:
+            m.setattr(jax, "jit", lambda *a, **k: pytest.fail("a stored choice was timed again"))
+            assert tuned(*shape) == form
+        rng, _ = seeded_rng()
+        ids, w = routing(rng, "random")
+        x = jnp.zeros((T, D), jnp.float32)
+        args = (x, ids, w, *float_weights(rng))
+        monkeypatch.setattr(moe_gmm, "GATHER_BYTES", 0)
+        for planted in moe_gmm.SMALL_STEP_FORMS:
+            path.write_text(json.dumps({k.replace("(16,", "(11,"): planted for k in stored}))
+            tuned.cache_clear()
+            lower = lambda s: jax.jit(lambda *a: moe_gmm.xla(*a, limit=LIMIT, small_steps=s)).lower(*args).as_text()
+            assert lower("tune") == lower(planted), planted
+    finally:
+        moe_gmm.set_tuning_file(None)
+        tuned.cache_clear()
 
 
 @pytest.mark.parametrize("tile", [1, 4, 16])
@@ -201,16 +244,17 @@ def test_xla_hlo_has_no_large_sort_and_no_ragged_dot():
 def test_xla_batched_form_reads_the_weights_in_place(Eq, C, left):
     """Float weights of a step too large for the per-pair form take the batched form: its three dots read the
     [E, I, D] / [E, D, I] weights as they are (no gathered copy), x as [E, capacity, D], the weights on the left
-    of the products (outputs [E, I | D, C]) up to WEIGHTS_LEFT_MAX_ROWS rows per expert; the one sort is the pair
+    of the products (outputs [E, I | D, C]) in a small step's "batched_left" form; the one sort is the pair
     argsort; the tail's tile loop (an unbalanced routing) runs inside a conditional."""
     Tq, k = 64, 4
-    dt = jnp.bfloat16 if left else jnp.float32  # the weights go left in bf16 only
+    dt = jnp.bfloat16 if left else jnp.float32
     f = lambda *s: jnp.zeros(s, dt)
     args = (f(Tq, D), jnp.zeros((Tq, k), jnp.int32), f(Tq, k), f(Eq, I, D), f(Eq, I, D), f(Eq, D, I))
     assert Tq * k * 3 * I * D * 4 > moe_gmm.GATHER_BYTES
     assert moe_gmm.batch_capacity(Tq * k, Eq) == C  # 1.5 x the mean rows
-    assert (C <= moe_gmm.WEIGHTS_LEFT_MAX_ROWS) == left
-    hlo = jax.jit(lambda *a: moe_gmm.xla(*a, limit=LIMIT)).lower(*args).compile().as_text()
+    assert (C <= moe_gmm.SMALL_STEP_MAX_ROWS) == left
+    form = "batched_left" if left else "rule"
+    hlo = jax.jit(lambda *a: moe_gmm.xla(*a, limit=LIMIT, small_steps=form)).lower(*args).compile().as_text()
     dots = [ln for ln in hlo.splitlines() if re.search(r"\sdot\(", ln)]
     shapes = [f"f32[{Eq},{I},{C}]", f"f32[{Eq},{D},{C}]"] if left else [f"f32[{Eq},{C},{I}]", f"f32[{Eq},{C},{D}]"]
     batched = [ln for ln in dots if any(s in ln.split("=")[1].split("dot(")[0] for s in shapes)]

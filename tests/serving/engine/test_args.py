@@ -38,6 +38,7 @@ def test_sections_have_titles_and_distinct_field_names():
 @pytest.mark.parametrize("flat, message", [
     (dict(max_num_seqs=0), "max_num_seqs must be positive"),
     (dict(kernel_impl="cuda"), "kernel_impl must be one of"),
+    (dict(moe_small_steps="fastest"), "moe_small_steps must be one of"),
     (dict(kv_cache_dtype="fp8"), "kv_cache_dtype must be one of"),
     (dict(scheduling_policy="x"), "scheduling_policy must be one of"),
     (dict(dp_routing_policy="random"), "dp_routing_policy must be one of"),
