@@ -9,7 +9,9 @@ in `cache["index_pool"]`). A row closing at position p (p % r == r - 1) reads po
 this step's rows where the step has them and from the ring below the request's first position of the step;
 positions < 0 weigh nothing (CSA's window 0). At most T // r + min(T, R) rows close in a step of T rows and R
 requests, so only those are pooled; a step of fewer rows than r (every decode step of an HCA layer) pools only when
-one of its windows closes. Rows closing below the write floor (a prefix hit's cached rows) are kept.
+one of its windows closes; CSA's ring is gathered only when a closing window reaches before its request's rows of
+the step (not in a prefill chunk that starts at a window boundary), and HCA's wide windows are pooled one closing
+window at a time (`_pool_closing`). Rows closing below the write floor (a prefix hit's cached rows) are kept.
 
 Prefix hits are block aligned and a block holds whole ratio-128 windows (`CacheLayout` checks it), so a window
 closing at or after the hit starts at or after it: the replayed rows refill the ring before any row reads it.
@@ -20,6 +22,8 @@ form the sparse attention takes for CSA's indexer rows.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +58,7 @@ def publish(layout: CacheLayout, block, x_TD: jax.Array, pos_T: jax.Array, req_T
     def pool(comp: V4Compressor, group: str) -> jax.Array:
         ring = cache[group][s]
         raw_T2w = jnp.stack([comp.wkv(x_TD, jnp.float32), comp.wgate(x_TD, jnp.float32) + comp.ape[...][pos_T % r]], 1)
-        closing_rows = lambda: _pool_closing(comp, raw_T2w, pos_T, req_T, requests, ring, t_C)  # noqa: E731
+        closing_rows = lambda: _pool_closing(comp, raw_T2w, pos_T, req_T, requests, ring, t_C, ok_C)  # noqa: E731
         if r > T:  # a window closes in few such steps (an HCA layer's decode: 1 in 128): skip its pooling in the rest
             pooled_Cd = jax.lax.cond(jnp.any(ok_C), closing_rows,
                                      lambda: jnp.zeros((n_close, comp.head_dim), jnp.float32))
@@ -76,24 +80,49 @@ def publish(layout: CacheLayout, block, x_TD: jax.Array, pos_T: jax.Array, req_T
     return cache
 
 
+# Windows at least this wide (HCA's 128 positions) are pooled one closing window at a time, only the windows that
+# close: a step pools at most T // r + min(T, R) of them, mostly padding slots (a 512-row prefill with 32 KV slots:
+# 36 slots, 4 or 5 windows), and gathering [36, 128, 2, 512] float32 rows took 12 ms on this 2-core CPU.
+LOOP_MIN_SLOTS = 32
+
+
 def _pool_closing(comp: V4Compressor, raw_T2w: jax.Array, pos_T: jax.Array, req_T: jax.Array, requests: Requests,
-                  ring_NSw: jax.Array, t_C: jax.Array) -> jax.Array:
-    """Pooled float32 rows [C, d] of the windows closing at rows t_C, from this step's raw [kv, gate + ape] rows
-    [T, 2, w] and the compressor's ring (the positions before each request's first one of the step)."""
-    r, d = comp.ratio, comp.head_dim
+                  ring_NSw: jax.Array, t_C: jax.Array, ok_C: jax.Array) -> jax.Array:
+    """Pooled float32 rows [C, d] of the windows closing at rows t_C (those with ok_C, a prefix; zeros or any finite
+    value in the rest), from this step's raw [kv, gate + ape] rows [T, 2, w] and the compressor's ring (the
+    positions before each request's first one of the step). Narrow windows (CSA) in one batched pass, which reads
+    the ring only when a closing window reaches before its request's rows of the step (not in a prefill chunk that
+    starts at a window boundary, e.g. every fresh prompt); wide ones (HCA) in a loop over the closing windows."""
     T, S = raw_T2w.shape[0], ring_NSw.shape[1]
     p_C, rq_C = pos_T[t_C], req_T[t_C]
     q_CS = p_C[:, None] - (S - 1) + jnp.arange(S)  # the window's positions, oldest first
     in_step = q_CS >= requests.start_R[rq_C][:, None]
-    step_rows = raw_T2w[jnp.clip(t_C[:, None] - (p_C[:, None] - q_CS), 0, T - 1)]  # a request's rows are in order
-    ring_rows = ring_NSw[requests.slot_R[rq_C][:, None], q_CS % S]
-    win = jnp.where(in_step[:, :, None, None], step_rows, ring_rows)  # [C, S, 2, w]
-    kv, gate = win[:, :, 0], win[:, :, 1]
+    row_CS = jnp.clip(t_C[:, None] - (p_C[:, None] - q_CS), 0, T - 1)  # a request's rows are in order
+    slot_C = requests.slot_R[rq_C]
+    pool = functools.partial(_pool_window, comp)
+    if S < LOOP_MIN_SLOTS:
+        with_ring = lambda: jnp.where(in_step[:, :, None, None], raw_T2w[row_CS],  # noqa: E731
+                                      ring_NSw[slot_C[:, None], q_CS % S])
+        reads_ring = jnp.any(ok_C[:, None] & ~in_step & (q_CS >= 0))  # positions < 0 weigh nothing: never read
+        return jax.vmap(pool)(jax.lax.cond(reads_ring, with_ring, lambda: raw_T2w[row_CS]), q_CS)
+
+    def one(c, out_Cd):
+        win = jnp.where(in_step[c][:, None, None], raw_T2w[row_CS[c]], ring_NSw[slot_C[c], q_CS[c] % S])
+        return out_Cd.at[c].set(pool(win, q_CS[c]))
+
+    return jax.lax.fori_loop(0, jnp.sum(ok_C), one, jnp.zeros((t_C.shape[0], comp.head_dim), jnp.float32))
+
+
+def _pool_window(comp: V4Compressor, win_S2w: jax.Array, q_S: jax.Array) -> jax.Array:
+    """One window's pooled float32 row [d] from its raw [kv, gate + ape] rows [S, 2, w] at positions q_S (those
+    below 0 weigh nothing)."""
+    r, d = comp.ratio, comp.head_dim
+    kv, gate = win_S2w[:, 0], win_S2w[:, 1]
     if comp.overlap:  # slots [0, r): the previous window's Ca; [r, 2r): this window's Cb
-        kv = jnp.concatenate([kv[:, :r, :d], kv[:, r:, d:]], axis=1)
-        gate = jnp.concatenate([gate[:, :r, :d], gate[:, r:, d:]], axis=1)
-    gate = jnp.where((q_CS >= 0)[:, :, None], gate, -jnp.inf)
-    return jnp.sum(jax.nn.softmax(gate, axis=1) * kv, axis=1)
+        kv = jnp.concatenate([kv[:r, :d], kv[r:, d:]], axis=0)
+        gate = jnp.concatenate([gate[:r, :d], gate[r:, d:]], axis=0)
+    gate = jnp.where((q_S >= 0)[:, None], gate, -jnp.inf)
+    return jnp.sum(jax.nn.softmax(gate, axis=0) * kv, axis=0)
 
 
 def _advance_ring(raw_T2w: jax.Array, pos_T: jax.Array, req_T: jax.Array, valid_T: jax.Array, requests: Requests,
