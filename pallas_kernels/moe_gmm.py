@@ -268,7 +268,8 @@ def tuned_small_step_form(T: int, k: int, E: int, I: int, D: int, dtype: jnp.dty
     choice never moves a result: each compiled alone (~1 s each), then 7 rounds of one run of each, medians. Once per
     process, and once per machine where a tuning file is set. Runs where a program is traced (a bucket's first
     compile), eagerly."""
-    key = repr((T, k, E, I, D, str(dtype), jax.__version__, jaxlib.__version__, platform.machine(), _cpu_model()))
+    key = repr((T, k, E, I, D, str(dtype), jax.__version__, jaxlib.__version__, jax.devices()[0].device_kind,
+                platform.machine(), _cpu_model()))
     stored = _read_tuning()
     if stored.get(key) in SMALL_STEP_FORMS:
         return stored[key]

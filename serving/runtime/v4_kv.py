@@ -80,9 +80,10 @@ def publish(layout: CacheLayout, block, x_TD: jax.Array, pos_T: jax.Array, req_T
     return cache
 
 
-# Windows at least this wide (HCA's 128 positions) are pooled one closing window at a time, only the windows that
-# close: a step pools at most T // r + min(T, R) of them, mostly padding slots (a 512-row prefill with 32 KV slots:
-# 36 slots, 4 or 5 windows), and gathering [36, 128, 2, 512] float32 rows took 12 ms on this 2-core CPU.
+# On a CPU, windows at least this wide (HCA's 128 positions) are pooled one closing window at a time, only the
+# windows that close: a step pools at most T // r + min(T, R) of them, mostly padding slots (a 512-row prefill with
+# 32 KV slots: 36 slots, 4 or 5 windows), and gathering [36, 128, 2, 512] float32 rows took 12 ms on a 2-core CPU.
+# A GPU gathers them in one pass (a loop of ~64 windows per 8K-token chunk and HCA layer would cost a launch each).
 LOOP_MIN_SLOTS = 32
 
 
@@ -92,7 +93,8 @@ def _pool_closing(comp: V4Compressor, raw_T2w: jax.Array, pos_T: jax.Array, req_
     value in the rest), from this step's raw [kv, gate + ape] rows [T, 2, w] and the compressor's ring (the
     positions before each request's first one of the step). Narrow windows (CSA) in one batched pass, which reads
     the ring only when a closing window reaches before its request's rows of the step (not in a prefill chunk that
-    starts at a window boundary, e.g. every fresh prompt); wide ones (HCA) in a loop over the closing windows."""
+    starts at a window boundary, e.g. every fresh prompt); wide ones (HCA) on a CPU in a loop over the closing
+    windows."""
     T, S = raw_T2w.shape[0], ring_NSw.shape[1]
     p_C, rq_C = pos_T[t_C], req_T[t_C]
     q_CS = p_C[:, None] - (S - 1) + jnp.arange(S)  # the window's positions, oldest first
@@ -100,7 +102,7 @@ def _pool_closing(comp: V4Compressor, raw_T2w: jax.Array, pos_T: jax.Array, req_
     row_CS = jnp.clip(t_C[:, None] - (p_C[:, None] - q_CS), 0, T - 1)  # a request's rows are in order
     slot_C = requests.slot_R[rq_C]
     pool = functools.partial(_pool_window, comp)
-    if S < LOOP_MIN_SLOTS:
+    if S < LOOP_MIN_SLOTS or jax.default_backend() != "cpu":
         with_ring = lambda: jnp.where(in_step[:, :, None, None], raw_T2w[row_CS],  # noqa: E731
                                       ring_NSw[slot_C[:, None], q_CS % S])
         reads_ring = jnp.any(ok_C[:, None] & ~in_step & (q_CS >= 0))  # positions < 0 weigh nothing: never read
