@@ -53,9 +53,10 @@ class RuntimeConfig:
                                   "elsewhere; xla or reference is the fallback if a Pallas kernel misbehaves"})
     moe_small_steps: str = field(default="tune", metadata={
         "choices": SMALL_STEPS, "help": "routed experts of steps with few rows per expert (decode) on the XLA path "
-                                        "(CPU), float experts: tune = the fastest form on this machine, timed when "
-                                        "such a bucket is first traced (~0.5 s); rule = batched, weights left in "
-                                        "bf16; or one form"})
+                                        "(CPU), float experts: tune = the fastest form on this machine among those "
+                                        "giving rule's bits, timed once per step shape and machine when such a bucket "
+                                        "is first traced (~2.5-4 s); rule = batched, weights on the right; or one "
+                                        "form"})
 
     def __post_init__(self):
         if isinstance(self.speculative_config, (dict, SpeculativeConfig)):  # LLM(speculative_config={...})

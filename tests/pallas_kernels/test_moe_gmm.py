@@ -137,6 +137,32 @@ def test_tuned_form_is_timed_once_per_machine_and_compiled(tmp_path, monkeypatch
         tuned.cache_clear()
 
 
+def test_runner_sets_the_small_step_form_that_experts_compile(monkeypatch):
+    """`RuntimeConfig.moe_small_steps` reaches every `Experts` of the runner's model, and a model's `Experts`
+    compiles the XLA path's program of the form it holds (a small step: the per-pair form ruled out)."""
+    import dsv41
+    from dsv41.layers.moe import Experts
+    from flax import nnx
+    from serving.runtime.config import RuntimeConfig
+    from serving.runtime.runner import Runner
+
+    model = dsv41.random_model("tiny")
+    Runner(model, RuntimeConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, moe_small_steps="tiles"),
+           progress=False)
+    forms = [m.small_steps for _, m in nnx.iter_modules(model.module) if isinstance(m, Experts)]
+    assert forms and set(forms) == {"tiles"}
+    monkeypatch.setattr(moe_gmm, "GATHER_BYTES", 0)
+    rng, _ = seeded_rng()
+    ids, w = routing(rng, "random")
+    x = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
+    m = Experts(E, D, I, LIMIT, dtype=jnp.float32)
+    lower = lambda f: jax.jit(f).lower(x, ids, w).as_text()  # noqa: E731
+    for form in moe_gmm.SMALL_STEP_FORMS:
+        m.small_steps = form
+        direct = lambda *a: moe_gmm.xla(*a, *m.weights(), limit=LIMIT, small_steps=form)  # noqa: B023, E731
+        assert lower(lambda *a: m(*a)) == lower(direct), form
+
+
 @pytest.mark.parametrize("tile", [1, 4, 16])
 def test_group_layout_places_every_pair_in_a_tile_of_its_expert(tile):
     rng, msg = seeded_rng()
