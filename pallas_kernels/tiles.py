@@ -69,9 +69,27 @@ def tile_rows(tiles: QueryTiles, i: jax.Array, num_rows: int) -> tuple[jax.Array
 
 
 def map_tiles(fn, tiles: QueryTiles):
-    """fn(i) over every tile i, in vectorised groups (bounded memory); outputs stacked [NT, ...]."""
+    """fn(i) over the tiles in vectorised groups of TILE_GROUP (bounded memory); outputs stacked [NT, ...].
+
+    A group past the last tile holding rows is skipped (its outputs are zeros; `to_flat_rows` reads no row of
+    them): a plan is padded to the most tiles any step of its bucket can need (`max_tiles`: a partial tile per
+    request slot), and one request's 512-row prefill in 8-row tiles fills 64 of a 92-tile plan."""
     NT = tiles.count
-    return jax.lax.map(fn, jnp.arange(NT), batch_size=min(TILE_GROUP, NT))
+    G = min(TILE_GROUP, NT)
+    used = jnp.max(jnp.where(tiles.n_N > 0, jnp.arange(NT) + 1, 0))  # real tiles come first (plan_tiles)
+    group_fn = jax.vmap(fn)
+
+    def group(i_G):
+        def skip(i_G):
+            return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(group_fn, i_G))
+        return jax.lax.cond(i_G[0] < used, group_fn, skip, i_G)
+
+    full = NT // G
+    outs = [jax.tree.map(lambda a: a.reshape(full * G, *a.shape[2:]),
+                         jax.lax.map(group, jnp.arange(full * G).reshape(full, G)))]
+    if NT % G:
+        outs.append(group(jnp.arange(full * G, NT)))
+    return jax.tree.map(lambda *a: jnp.concatenate(a), *outs) if len(outs) > 1 else outs[0]
 
 
 def to_flat_rows(x_NTu: jax.Array, tiles: QueryTiles, num_rows: int, fill) -> jax.Array:
