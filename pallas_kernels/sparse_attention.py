@@ -144,13 +144,10 @@ def reference(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, ro
 
 
 # ===================================================================================== xla
-def _finish(out_THd, cos_Tr, sin_Tr, out_fp8):
-    """Inverse RoPE and the optional FP8 cast (e4m3 [T, H*d], scales [T, H*d/128])."""
+def _fp8_out(out_THd):
+    """The FP8 cast of a float32 output: e4m3 [T, H*d], scales [T, H*d/128]."""
     T, H, d = out_THd.shape
-    out = rotate_tail(out_THd, cos_Tr, sin_Tr, inverse=True)
-    if not out_fp8:
-        return out
-    q8, s = fp8_block_cast(out, min(FP8_OUT_BLOCK, d))
+    q8, s = fp8_block_cast(out_THd, min(FP8_OUT_BLOCK, d))
     return q8.reshape(T, H * d), s.reshape(T, -1)
 
 
@@ -164,7 +161,7 @@ def _sink_softmax(logits: list[jax.Array], sink_H: jax.Array) -> tuple[list[jax.
 
 
 def xla(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_NPx=None, topk_TK=None, *,
-        out_fp8: bool = False):
+        out_fp8: bool = False, out_dtype=jnp.float32):
     """The CPU path, per query tile (`meta.tiles`): the tile's window, the W - 1 positions before its first query
     through its last [W - 1 + size] (from the call's rows, or from the ring below the request's start), is read
     once and shared by the tile's queries (two small GEMMs per tile). The top-k rows: when a request's table
@@ -172,14 +169,15 @@ def xla(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_NPx
     blocks up to `meta.n_blocks`, each block decoded once for the whole tile and masked to each query's selection
     (online softmax across blocks: a dense GEMM per block instead of a gather of k rows per query, which costs
     memory bandwidth on a CPU); otherwise each query gathers its own k rows. Tiles run in vectorised groups under
-    lax.map, so the gathered keys stay bounded."""
+    lax.map, so the gathered keys stay bounded. A tile rotates its own queries and outputs (RoPE, inverse RoPE)
+    and casts its outputs to `out_dtype`: at a 4,096-row prefill whole-call float32 passes over [T, H, d] cost
+    more than the attention itself."""
     _check(q_THd, cos_Tr, kv_Td, ring_SWx, meta, rows_NPx, topk_TK)
     T, H, d = q_THd.shape
     W = ring_SWx.shape[1]
     cdt = product_dtype(q_THd.dtype)
     mm = functools.partial(_mm, cdt)
     scale = d ** -0.5
-    q_all = rotate_tail(q_THd.astype(jnp.float32), cos_Tr, sin_Tr)
     tiles = plan_or_rows(meta.tiles, meta.req_T)
     kv_row = _kv_rows(meta, T)
     n_kv = kv_Td.shape[0]
@@ -196,7 +194,8 @@ def xla(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_NPx
     def one_tile(i):
         rows, qok = tile_rows(tiles, i, T)
         r = tiles.req_N[i]
-        q, qpos = q_all[rows], meta.pos_T[rows]
+        cos, sin = cos_Tr[rows], sin_Tr[rows]
+        q, qpos = rotate_tail(q_THd[rows].astype(jnp.float32), cos, sin), meta.pos_T[rows]
         # the tile's window: positions from W - 1 before its first query through its last, each read from this
         # call's rows (>= start) or from the ring (the W positions below start, at position mod W)
         first = tiles.first_N[i]
@@ -213,7 +212,7 @@ def xla(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_NPx
         if topk_TK is not None and dense_rows:
             out, denom = _blocks_softmax(mm, q * scale, logits[0], keys, sink_H, rows_NPx, topk_TK[rows],
                                          meta.block_table_RM[r], n_blocks, d)
-            return jnp.where(qok[:, None, None], out / denom, 0.0)
+            return finish(out, denom, qok, cos, sin)
         if topk_TK is not None:
             idx = topk_TK[rows]  # [size, k]
             rpb, M = rows_NPx.shape[1], meta.block_table_RM.shape[1]
@@ -225,10 +224,14 @@ def xla(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_NPx
         out = mm("uhk,kd->uhd", probs[0], values[0])
         if len(probs) > 1:
             out = out + mm("uhk,ukd->uhd", probs[1], values[1])
-        return jnp.where(qok[:, None, None], out / denom, 0.0)
+        return finish(out, denom, qok, cos, sin)
+
+    def finish(out, denom, qok, cos, sin):  # [u, H, d]: normalised, inverse RoPE; float32 for the FP8 cast
+        out = rotate_tail(jnp.where(qok[:, None, None], out / denom, 0.0), cos, sin, inverse=True)
+        return out if out_fp8 else out.astype(out_dtype)
 
     out = to_flat_rows(map_tiles(one_tile, tiles), tiles, T, 0.0)  # [T, H, d]
-    return _finish(out, cos_Tr, sin_Tr, out_fp8)
+    return _fp8_out(out) if out_fp8 else out
 
 
 def _mm(cdt, spec: str, a, b) -> jax.Array:
@@ -402,22 +405,25 @@ def pallas(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_
     m, l, acc = outs  # merge the splits' softmax states
     mx = jnp.max(m, axis=1, keepdims=True)
     w = jnp.exp(m - mx)
-    out = jnp.sum(w[..., None] * acc, axis=1) / jnp.sum(w * l, axis=1)[..., None]
-    return _finish(out, cos_Tr, sin_Tr, out_fp8)
+    out = rotate_tail(jnp.sum(w[..., None] * acc, axis=1) / jnp.sum(w * l, axis=1)[..., None], cos_Tr, sin_Tr,
+                      inverse=True)
+    return _fp8_out(out) if out_fp8 else out
 
 
 # ================================================================================ dispatch
 def sparse_mla(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_NPx=None, topk_TK=None, *,
-               out_fp8: bool = False, decode: bool = False, impl: str = "auto"):
+               out_fp8: bool = False, out_dtype=jnp.float32, decode: bool = False, impl: str = "auto"):
     """Fused sparse MLA attention (module docstring). `decode` picks the split-key Pallas form for one
-    query row per request; prefill splits heads instead."""
+    query row per request; prefill splits heads instead. `out_dtype`: the float output's dtype (its float32
+    values rounded once; the consumer's dtype, so the op writes no float32 [T, H, d] it would round anyway)."""
     impl = resolve_impl(impl)
     args = (q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta, rows_NPx, topk_TK)
-    if impl == "reference":
-        return reference(*args, out_fp8=out_fp8)
     if impl == "xla":
-        return xla(*args, out_fp8=out_fp8)
-    H = q_THd.shape[1]
-    if decode and topk_TK is not None:
-        return pallas(*args, out_fp8=out_fp8, splits=max(1, min(4, topk_TK.shape[1] // 32)), block_h=H)
-    return pallas(*args, out_fp8=out_fp8, block_h=min(H, 16))
+        return xla(*args, out_fp8=out_fp8, out_dtype=out_dtype)
+    if impl == "reference":
+        out = reference(*args, out_fp8=out_fp8)
+    elif decode and topk_TK is not None:
+        out = pallas(*args, out_fp8=out_fp8, splits=max(1, min(4, topk_TK.shape[1] // 32)), block_h=q_THd.shape[1])
+    else:
+        out = pallas(*args, out_fp8=out_fp8, block_h=min(q_THd.shape[1], 16))
+    return out if out_fp8 else out.astype(out_dtype)

@@ -7,9 +7,11 @@ prefill / decode as fractions of them.
 
 (PEER_DIR from ../shared/peer: `setup_hf_venv.sh`, `build_tiny_v4.sh`, `setup_vllm_cpu.sh`.) Each engine runs
 the `random` workload (`serve.py` / `hf_generate.py`: token-id prompts, greedy, forced output length) at every
-concurrency after its warm-up requests, one engine at a time so each has the cores. vLLM runs when
---vllm-python is given and the CPU has AVX-512 (vllm-cpu 0.32 fails to load V4 on AVX2); otherwise the table
-says why and shows ../shared/peer's recorded vLLM figures, marked as recorded (another machine, another day).
+concurrency after its warm-up requests, one engine at a time so each has the cores. Our server steps with
+vLLM's token budget here (--max-num-batched-tokens, default 4096: vLLM CPU prefills V4's whole prompts, chunked
+prefill off). vLLM runs when --vllm-python is given and the CPU has AVX-512 (vllm-cpu 0.32 fails to load V4
+on AVX2); otherwise the table says why and shows ../shared/peer's recorded vLLM figures, marked as recorded
+(another machine, another day).
 
 Rates (jitted in this process before any server starts): the matmul rate is the median of a [1024, 4096] x
 [4096, 4096] dot in our compute dtype (--dtype, "auto" resolved here once and passed to our server as the dtype it
@@ -33,6 +35,9 @@ from serving.bench.roofline import decode_weight_bytes, matmul_rate, prefill_flo
 # ../shared/peer/README.md, "vLLM" section: an AVX-512 machine, both cores to the worker (start_vllm.sh default)
 RECORDED_VLLM = {1: {"output_throughput": "57-62", "median_ttft_ms": "200-300", "median_tpot_ms": "13-15"},
                  8: {"output_throughput": "146-206", "median_ttft_ms": "1300-1900", "median_tpot_ms": "19-25"}}
+# vLLM CPU runs V4 (MLA) with chunked prefill off, so a step holds whole prompts up to max_model_len tokens: it
+# prefills a c=8 wave of 512-token prompts in one step, then decodes them together. Ours gets the same step budget.
+VLLM_MAX_MODEL_LEN = 4096
 METRICS = (("output_throughput", "out tok/s"), ("median_ttft_ms", "TTFT ms"), ("median_tpot_ms", "TPOT ms"))
 
 
@@ -51,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="our server's --dtype (auto: the checkpoint's; float32 on a CPU without fast bf16 matmuls)")
     p.add_argument("--hf-dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--hf-threads", type=int, default=os.cpu_count())
+    p.add_argument("--max-num-batched-tokens", type=int, default=VLLM_MAX_MODEL_LEN,
+                   help="our server's step token budget (default: vLLM's here, its max_model_len with chunked prefill "
+                        "off; our own default, 512, chunks prompts and interleaves them with decodes: lower TTFT, "
+                        "higher TPOT at c=8)")
     p.add_argument("--server-arg", action="append", default=[], help="extra argument of our server (repeatable)")
     p.add_argument("--startup-timeout", type=float, default=1800.0)
     p.add_argument("--log-dir", type=Path, default=Path("bench-logs/peers"))
@@ -68,7 +77,8 @@ def run_ours(args, conc: list[int], token_ids: str) -> dict:
     port = side_by_side.free_port()
     cmd = [sys.executable, "-m", "serving.server", "--model", str(args.model), "--served-model-name", "bench-model",
            "--port", str(port), "--max-num-seqs", str(max(conc)), "--dtype", args.dtype, "--no-background-compile",
-           "--max-model-len", str(-(-(args.input_len + args.output_len) // 256) * 256 + 256), *args.server_arg]
+           "--max-model-len", str(-(-(args.input_len + args.output_len) // 256) * 256 + 256),
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens), *args.server_arg]
     t0 = time.perf_counter()
     with side_by_side.server_process(cmd, port, args.log_dir / f"ours-{port}.log", args.startup_timeout) as url:
         ready = time.perf_counter() - t0
@@ -82,7 +92,7 @@ def run_vllm(args, conc: list[int], token_ids: str) -> dict:
            "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.model),
            "--served-model-name", "bench-model", "--host", "127.0.0.1", "--port", str(port),
-           "--max-model-len", "4096", "--dtype", "bfloat16"]
+           "--max-model-len", str(VLLM_MAX_MODEL_LEN), "--dtype", "bfloat16"]
     t0 = time.perf_counter()
     with side_by_side.server_process(cmd, port, args.log_dir / f"vllm-{port}.log", args.startup_timeout, env) as url:
         ready = time.perf_counter() - t0
@@ -125,7 +135,8 @@ def vllm_skip_reason(args) -> str | None:
 def format_table(result: dict) -> str:
     w, r = result["workload"], result["rates"]
     lines = [f"workload: {w['input_len']} in / {w['output_len']} out, token ids {w['token_id_range']}, "
-             f"seed {w['seed']}; model {result['model']}",
+             f"seed {w['seed']}; model {result['model']}; our step budget "
+             f"{w.get('our_max_num_batched_tokens', 512)} tokens",
              f"machine: matmul {r['matmul_flop_s'] / 1e9:.1f} GFLOP/s ({r.get('matmul_dtype', 'float32')}), "
              f"weight streaming {r['stream_bytes_s'] / 1e9:.1f} GB/s",
              f"{'engine':<16} {'c':>3} " + " ".join(f"{label:>10}" for _, label in METRICS) + "   ours/peer out tok/s"]
@@ -182,7 +193,8 @@ def main(argv=None) -> int:
                  "decode_of_streaming_floor": {c: decode_weight_bytes(model, c) / rates["stream_bytes_s"]
                                                / (ours[c]["median_tpot_ms"] / 1e3) for c in conc}}
     workload = {"input_len": args.input_len, "output_len": args.output_len, "token_id_range": token_ids,
-                "seed": args.seed, "num_prompts": args.num_prompts, "our_dtype": args.dtype}
+                "seed": args.seed, "num_prompts": args.num_prompts, "our_dtype": args.dtype,
+                "our_max_num_batched_tokens": args.max_num_batched_tokens}
     result = {"model": _portable(str(args.model)), "workload": workload,
               "rates": rates, "engines": engines, "fractions": fractions, "vllm_skipped": skip}
     print(format_table(result))

@@ -25,14 +25,15 @@ from sharding.runtime import on_local_heads
 
 def sparse_attention(q_THd: jax.Array, cos_Tr: jax.Array, sin_Tr: jax.Array, sink_H: jax.Array, kv_Nd: jax.Array,
                      ring_cache: jax.Array, meta: AttnMeta, *, rows_cache: jax.Array | None = None,
-                     topk_Tk: jax.Array | None = None, impl: str) -> jax.Array:
-    """Attention output [T, H, d] float32 after the inverse RoPE, from un-rotated queries q_THd and this step's
-    RoPE'd SWA rows kv_Nd (the query at row t finds its own row at meta.kv_row_T[t]). A bucket of at most one
-    row per request runs the kernel's split-key decode form."""
+                     topk_Tk: jax.Array | None = None, impl: str, out_dtype=jnp.float32) -> jax.Array:
+    """Attention output [T, H, d] in `out_dtype` (float32 values rounded once) after the inverse RoPE, from
+    un-rotated queries q_THd and this step's RoPE'd SWA rows kv_Nd (the query at row t finds its own row at
+    meta.kv_row_T[t]). A bucket of at most one row per request runs the kernel's split-key decode form."""
     decode = q_THd.shape[0] <= meta.slot_R.shape[0]
 
     def kernel(q, sink, cos, sin, kv, ring, meta, rows, topk):
-        return sparse_mla(q, cos, sin, sink, kv, ring, meta, rows, topk, decode=decode, impl=impl)
+        return sparse_mla(q, cos, sin, sink, kv, ring, meta, rows, topk, out_dtype=out_dtype, decode=decode,
+                          impl=impl)
 
     return on_local_heads(kernel, q_THd, sink_H, cos_Tr, sin_Tr, kv_Nd, ring_cache, meta, rows_cache, topk_Tk)
 

@@ -110,7 +110,8 @@ class _Layers:
                         n_blocks)
         with jax.named_scope("sparse_mla"):
             o = sparse_attention(q, cos, sin, attn.attn_sink[...], kv_all, cache["swa"][role.layer_id], meta,
-                                 rows_cache=rows_cache, topk_Tk=topk, impl=block.kernel_impl)
+                                 rows_cache=rows_cache, topk_Tk=topk, impl=block.kernel_impl,
+                                 out_dtype=x_TD.dtype)
         last_rows = at.valid_T & (at.pos_T >= req.end_R[at.req_T] - layout.window)
         o, ring = kv_cache.after_reads(o, cache["swa"][role.layer_id])
         cache = {**cache, "swa": {**cache["swa"], role.layer_id: write_ring(

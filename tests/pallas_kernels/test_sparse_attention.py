@@ -65,6 +65,22 @@ def test_xla_equals_reference(quantized, tile):
     assert_close(sa.xla(*args[:7]), sa.reference(*args[:7]), f"{msg} tile={tile} (SWA only)")
 
 
+@pytest.mark.parametrize("impl", ["xla", "reference"])
+@pytest.mark.parametrize("tile", [None, 4])
+def test_out_dtype_is_the_float32_output_rounded_once(impl, tile):
+    """`out_dtype` (the consumer's dtype): the XLA path rounds each tile's float32 output itself (no float32
+    [T, H, d] written); the values are the float32 output's, rounded to bfloat16 (within one of its ulps: the
+    two programs may contract the inverse RoPE into FMAs differently)."""
+    rng, msg = seeded_rng()
+    args = make_case(rng, quantized=False)
+    if tile:
+        args = with_plan(args, tile)
+    f32 = np.asarray(sa.sparse_mla(*args, impl=impl))
+    bf16 = sa.sparse_mla(*args, impl=impl, out_dtype=jnp.bfloat16)
+    assert bf16.dtype == jnp.bfloat16 and f32.dtype == np.float32
+    np.testing.assert_allclose(np.asarray(bf16, np.float32), f32, rtol=2.0 ** -7, atol=1e-6, err_msg=msg)
+
+
 @pytest.mark.parametrize("quantized", [True, False])
 def test_xla_reads_a_ring_decoded_up_front_as_one_decoded_per_tile(quantized):
     """The XLA path decodes each request's SWA ring once when its tiles would decode more records than the rings
