@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 from serving.api.server import ServerArgs
 from serving.engine.args import EngineArgs, FlagError, add_flags, from_flags, to_flags
+from serving.runtime.host_memory import keep_freed_memory
 from serving.model_source import ModelArgs
 
 
@@ -54,6 +55,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=srv.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     t0 = time.perf_counter()
     _say("loading ...")
+    if srv.keep_host_memory and (why := keep_freed_memory()):  # before anything starts JAX's backends
+        _say(f"host memory: freed memory is returned to the OS ({why})")
     ea.parallel.use_cpu_devices()  # before anything starts JAX's backends
     import uvicorn
 

@@ -52,6 +52,10 @@ class ServerArgs:
         "help": "ready once the largest step bucket of each function is compiled; the smaller ones (faster small "
                 "steps) compile in a background thread while serving, steps padding up meanwhile (off: compile "
                 "every bucket before ready)"})
+    keep_host_memory: bool = field(default=True, metadata={
+        "help": "glibc malloc keeps the host memory XLA:CPU steps free (one arena, no mmap, no trim) instead of "
+                "returning it and faulting it in again each step (8 x 512-token prefill ~13% faster); the process "
+                "holds its peak host memory (`serving.runtime.host_memory`)"})
     disable_access_log: bool = field(default=False, metadata={"help": "no log line per HTTP request"})
     log_level: str = field(default="info", metadata={"choices": LOG_LEVELS, "help": "the server's log level"})
     profile_dir: str | None = field(default=None, metadata={

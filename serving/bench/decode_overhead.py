@@ -35,6 +35,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from serving.runtime.host_memory import keep_freed_memory
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -161,6 +163,7 @@ def main(argv=None) -> int:
                     help="the server's async scheduling (where the model supports it; the bare steps are one at a "
                          "time either way)")
     args = ap.parse_args(argv)
+    keep_freed_memory()  # the bare steps' process keeps its host memory as the server does (`--keep-host-memory`)
     if args.compilation_cache_dir is None:
         from serving.api.server import ServerArgs
 

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FULL = ["--model", "small", "--served-model-name", "m", "--dtype", "bfloat16", "--no-engram-cpu-offload",
         "--host", "0.0.0.0", "--port", "9000", "--api-key", "k", "--max-request-body-bytes", "1000",
         "--compilation-cache-dir", "", "--compilation-cache-max-gb", "2", "--no-background-compile",
-        "--disable-access-log", "--log-level", "debug", "--profile-dir", "traces",
+        "--no-keep-host-memory", "--disable-access-log", "--log-level", "debug", "--profile-dir", "traces",
         "--max-num-seqs", "16", "--max-num-batched-tokens", "256", "--max-model-len", "2048", "--block-size", "16",
         "--kv-cache-dtype", "release", "--kv-cache-memory", "1000000", "--no-swa-bounded-replay", "--tile", "4",
         "--fake-quant", "--max-top-k", "64", "--seed", "7", "--token-buckets", "8,16,256", "--kernel-impl", "xla",
@@ -41,7 +41,7 @@ def _sections() -> dict[str, type]:
 def test_a_full_command_line_parses_into_the_sections_and_back():
     got = parse_args(FULL)
     assert got.model == ModelArgs("small", "m", "bfloat16", engram_cpu_offload=False)
-    assert got.server == ServerArgs("0.0.0.0", 9000, "k", 1000, "", 2, False, True, "debug", "traces")
+    assert got.server == ServerArgs("0.0.0.0", 9000, "k", 1000, "", 2, False, False, True, "debug", "traces")
     assert got.engine == EngineArgs.of(
         max_num_seqs=16, max_num_batched_tokens=256, max_model_len=2048, block_size=16, kv_cache_dtype="release",
         kv_cache_memory=1000000, swa_bounded_replay=False, tile=4, fake_quant=True, max_top_k=64, seed=7,

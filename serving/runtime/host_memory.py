@@ -1,0 +1,42 @@
+"""Host memory of an XLA:CPU process: what a step frees stays in the process for the next step.
+
+XLA:CPU mallocs each step's buffers and frees them after it. glibc hands large blocks back to the kernel (mmap
+above a threshold, trimming of the heap top, per-thread arenas), so the next step faults every page in again, 4 KiB
+at a time, zeroed by the kernel: a [4096, 256] x [256, 4096] float32-out product faults its 64 MiB output on each
+call (16K faults; 42 -> 23 ms on a 2-core EPYC), and a peer checkpoint's 8 x 512-token prefill step runs ~13%
+faster with the memory kept (1,397 / 1,354 -> 1,228 / 1,172 ms). One arena, no mmap and no trimming keep it, as
+the caching allocators of GPU frameworks do: the process holds its peak host memory.
+
+It must be set before JAX starts its CPU backend: the backend's threads keep the arenas they were given (set
+after, the prefill step was unchanged: 1,417 / 1,394 vs 1,378 / 1,356 ms).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
+
+# glibc <malloc.h>
+M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
+
+
+def keep_freed_memory() -> str | None:
+    """Set glibc malloc to keep freed memory (one arena, no mmap, no trim): None when done, else why not."""
+    if "jax" in sys.modules:
+        from jax._src import xla_bridge
+
+        if xla_bridge.backends_are_initialized():
+            return "JAX's backends had started (set it before anything creates an array)"
+    if not sys.platform.startswith("linux"):
+        return f"not glibc malloc ({sys.platform})"
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.gnu_get_libc_version  # glibc only: musl's mallopt accepts and ignores these
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return "not glibc malloc"
+    for param, value in ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, -1)):  # -1: never trim (mallopt(3))
+        if mallopt(param, value) != 1:
+            return f"mallopt({param}, {value}) failed"
+    return None

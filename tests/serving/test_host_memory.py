@@ -1,0 +1,42 @@
+"""`serving.runtime.host_memory`: freed host memory stays in the process (no page faults when it is used again), and the
+setting refuses to claim success once JAX's backends have started. Each case runs in a fresh interpreter."""
+
+import subprocess
+import sys
+
+import pytest
+
+_REUSE = """
+import ctypes, ctypes.util, resource, sys
+from serving.runtime.host_memory import keep_freed_memory
+why = keep_freed_memory() if sys.argv[1] == "keep" else "not asked"
+libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+n = 64 << 20
+def touch():  # what an XLA:CPU step does with its buffers: malloc, write, free
+    p = libc.malloc(ctypes.c_size_t(n))
+    ctypes.memset(p, 1, n)
+    libc.free(ctypes.c_void_p(p))
+touch()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+touch()
+print(why, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def _run(code: str, *args: str) -> str:
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc")
+def test_freed_memory_is_used_again_without_page_faults():
+    why, faults = _run(_REUSE, "keep").rsplit(" ", 1)
+    assert why == "None" and int(faults) < 1000  # 64 MiB is 16,384 pages of 4 KiB
+    _, faults = _run(_REUSE, "default").rsplit(" ", 1)
+    assert int(faults) > 8000  # glibc's default: the block is mmapped, unmapped on free, faulted in again
+
+
+def test_too_late_once_jax_has_started():
+    out = _run("import jax; jax.devices(); from serving.runtime.host_memory import keep_freed_memory; "
+               "print(keep_freed_memory())")
+    assert "backends had started" in out
