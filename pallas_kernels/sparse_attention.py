@@ -19,8 +19,9 @@ Inputs, for T query rows of R requests (each request's rows in position order):
   topk_TK     distinct global row ids per query (-1 = none), as the indexer returns them (the XLA path's block
               scan reads the selection as a set)
 Visible SWA positions of a query at p: max(p - W + 1, floor, 0) .. p; those >= start come from kv_Td.
-Output: float32 [T, H, d], or with out_fp8 (e4m3 [T, H*d], float32 scales [T, H*d/128]) - one UE8M0
-scale per 128 channels, the activation layout a block-scaled GEMM over [T, o_groups, H*d/o_groups] reads.
+Output: [T, H, d] in `out_dtype` (default float32; the float32 values rounded once), or with out_fp8 (e4m3
+[T, H*d], float32 scales [T, H*d/128]) - one UE8M0 scale per 128 channels, the activation layout a block-scaled
+GEMM over [T, o_groups, H*d/o_groups] reads.
 """
 
 from __future__ import annotations
