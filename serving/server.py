@@ -16,8 +16,8 @@ from typing import NamedTuple
 
 from serving.api.server import ServerArgs
 from serving.engine.args import EngineArgs, FlagError, add_flags, from_flags, to_flags
-from serving.runtime.host_memory import keep_freed_memory
 from serving.model_source import ModelArgs
+from serving.runtime.host_memory import keep_freed_memory
 
 
 class ServeArgs(NamedTuple):

@@ -163,7 +163,8 @@ def main(argv=None) -> int:
                     help="the server's async scheduling (where the model supports it; the bare steps are one at a "
                          "time either way)")
     args = ap.parse_args(argv)
-    keep_freed_memory()  # the bare steps' process keeps its host memory as the server does (`--keep-host-memory`)
+    if why := keep_freed_memory():  # the bare steps keep their host memory as the server does (`--keep-host-memory`)
+        print(f"bare steps: host memory returned to the OS after each step ({why})", file=sys.stderr)
     if args.compilation_cache_dir is None:
         from serving.api.server import ServerArgs
 

@@ -136,7 +136,7 @@ def format_table(result: dict) -> str:
     w, r = result["workload"], result["rates"]
     lines = [f"workload: {w['input_len']} in / {w['output_len']} out, token ids {w['token_id_range']}, "
              f"seed {w['seed']}; model {result['model']}; our step budget "
-             f"{w.get('our_max_num_batched_tokens', 512)} tokens",
+             f"{w['our_max_num_batched_tokens']} tokens",
              f"machine: matmul {r['matmul_flop_s'] / 1e9:.1f} GFLOP/s ({r.get('matmul_dtype', 'float32')}), "
              f"weight streaming {r['stream_bytes_s'] / 1e9:.1f} GB/s",
              f"{'engine':<16} {'c':>3} " + " ".join(f"{label:>10}" for _, label in METRICS) + "   ours/peer out tok/s"]

@@ -27,9 +27,9 @@ import numpy as np
 import dsv41
 from serving.bench.roofline import MatmulProbe, StreamProbe, decode_weight_bytes, prefill_flops
 from serving.engine.profiler import profiling
-from serving.runtime.host_memory import keep_freed_memory
 from serving.runtime.batch import SeqChunk
 from serving.runtime.config import RuntimeConfig
+from serving.runtime.host_memory import keep_freed_memory
 from serving.runtime.runner import Runner
 
 
@@ -129,7 +129,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--profile-dir", default=None, help="write a jax.profiler trace of each measurement here")
     args = ap.parse_args(argv)
-    keep_freed_memory()  # as the server does (`--keep-host-memory`), before JAX starts
+    if why := keep_freed_memory():  # as the server does (`--keep-host-memory`), before JAX starts
+        print(f"host memory returned to the OS after each step ({why})", file=sys.stderr)
     args.decode_batches = [int(x) for x in args.decode_batches.split(",")]
     lengths = [int(x) for x in args.lengths.split(",")]
     model = (dsv41.random_model(args.model, dtype=args.dtype) if args.model in dsv41.PRESETS
