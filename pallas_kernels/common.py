@@ -46,16 +46,17 @@ def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array, *, inverse: bool = Fals
 
 
 def rotate_tail(x: jax.Array, cos_Tr: jax.Array, sin_Tr: jax.Array, *, inverse: bool = False) -> jax.Array:
-    """`rotate` with full-width angles, computed on the rotated channels only: x [T, ..., d], angles [T, d_r/2]
-    on x's last d_r channels; the leading d - d_r pass through unchanged (what the full-width 1 / 0 angles give)."""
-    half = cos_Tr.shape[-1]
+    """`rotate` of x [T, ..., d] by angles [T, d_r/2] on its last d_r channels; the leading d - d_r pass through
+    unchanged (x * 1 + swap(x) * 0). One elementwise pass over all d channels: rotating the tail alone and
+    concatenating it back costs XLA:CPU a separate copy of x, more than the extra multiplies."""
+    T, half = cos_Tr.shape
     lead = x.shape[-1] - 2 * half
 
-    def expand(a):  # [T, d_r/2] -> [T, 1.., d_r]: each angle on its channel pair, broadcast over x's middle axes
-        return jnp.repeat(a.astype(jnp.float32), 2, axis=-1).reshape(a.shape[0], *(1,) * (x.ndim - 2), 2 * half)
+    def full(a, fill):  # [T, d_r/2] -> [T, 1.., d]: each angle on its channel pair, `fill` on the leading channels
+        a = jnp.pad(jnp.repeat(a.astype(jnp.float32), 2, axis=-1), ((0, 0), (lead, 0)), constant_values=fill)
+        return a.reshape(T, *(1,) * (x.ndim - 2), x.shape[-1])
 
-    tail = rotate(x[..., lead:], expand(cos_Tr), expand(sin_Tr), inverse=inverse)
-    return jnp.concatenate([x[..., :lead], tail.astype(x.dtype)], axis=-1)
+    return rotate(x, full(cos_Tr, 1.0), full(sin_Tr, 0.0), inverse=inverse).astype(x.dtype)
 
 
 def pow2_ceil(x: jax.Array) -> jax.Array:

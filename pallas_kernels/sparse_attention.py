@@ -170,8 +170,9 @@ def xla(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_NPx
     blocks up to `meta.n_blocks`, each block decoded once for the whole tile and masked to each query's selection
     (online softmax across blocks: a dense GEMM per block instead of a gather of k rows per query, which costs
     memory bandwidth on a CPU); otherwise each query gathers its own k rows. Tiles run in vectorised groups under
-    lax.map, so the gathered keys stay bounded. A tile rotates its own queries and outputs (RoPE, inverse RoPE)
-    and casts its outputs to `out_dtype`: at a 4,096-row prefill whole-call float32 passes over [T, H, d] cost
+    lax.map, so the gathered keys stay bounded. A tile rotates its own queries and outputs (RoPE, inverse RoPE),
+    scales its queries by d^-1/2 and rounds them to the compute dtype once (as the Pallas kernel), and casts its
+    outputs to `out_dtype`: at a 4,096-row prefill whole-call float32 passes over [T, H, d] cost
     more than the attention itself."""
     _check(q_THd, cos_Tr, kv_Td, ring_SWx, meta, rows_NPx, topk_TK)
     T, H, d = q_THd.shape
@@ -196,7 +197,8 @@ def xla(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_NPx
         rows, qok = tile_rows(tiles, i, T)
         r = tiles.req_N[i]
         cos, sin = cos_Tr[rows], sin_Tr[rows]
-        q, qpos = rotate_tail(q_THd[rows].astype(jnp.float32), cos, sin), meta.pos_T[rows]
+        q = (rotate_tail(q_THd[rows].astype(jnp.float32), cos, sin) * scale).astype(cdt)  # pre-scaled, rounded once
+        qpos = meta.pos_T[rows]
         # the tile's window: positions from W - 1 before its first query through its last, each read from this
         # call's rows (>= start) or from the ring (the W positions below start, at position mod W)
         first = tiles.first_N[i]
@@ -208,10 +210,10 @@ def xla(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_NPx
         keys = jnp.where((kpos >= meta.start_R[r])[:, None], own, ring)
         kok = (kpos >= 0) & (kpos >= meta.floor_R[r])
         vis = kok[None] & (kpos[None] <= qpos[:, None]) & (kpos[None] > qpos[:, None] - W)  # [size, W - 1 + size]
-        logits = [jnp.where(vis[:, None], mm("uhd,kd->uhk", q, keys) * scale, -jnp.inf)]
+        logits = [jnp.where(vis[:, None], mm("uhd,kd->uhk", q, keys), -jnp.inf)]
         values = [keys]
         if topk_TK is not None and dense_rows:
-            out, denom = _blocks_softmax(mm, q * scale, logits[0], keys, sink_H, rows_NPx, topk_TK[rows],
+            out, denom = _blocks_softmax(mm, q, logits[0], keys, sink_H, rows_NPx, topk_TK[rows],
                                          meta.block_table_RM[r], n_blocks, d)
             return finish(out, denom, qok, cos, sin)
         if topk_TK is not None:
@@ -219,7 +221,7 @@ def xla(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_NPx
             rpb, M = rows_NPx.shape[1], meta.block_table_RM.shape[1]
             blk = meta.block_table_RM[r][jnp.clip(idx // rpb, 0, M - 1)]
             g = records.decode_rows("nvfp4", rows_NPx[blk, idx % rpb], d)  # [size, k, d]
-            logits.append(jnp.where((idx >= 0)[:, None], mm("uhd,ukd->uhk", q, g) * scale, -jnp.inf))
+            logits.append(jnp.where((idx >= 0)[:, None], mm("uhd,ukd->uhk", q, g), -jnp.inf))
             values.append(g)
         probs, denom = _sink_softmax(logits, sink_H)
         out = mm("uhk,kd->uhd", probs[0], values[0])
@@ -242,12 +244,19 @@ def _mm(cdt, spec: str, a, b) -> jax.Array:
                       preferred_element_type=jnp.float32)
 
 
+# Global rows one step of the XLA path's block scan reads (whole blocks): one GEMM over 128 rows instead of four
+# over 32 (block size 128, CSA) costs a quarter of the online-softmax rescales of the tile's [u, H, d] accumulator.
+SCAN_ROWS = 128
+
+
 def _blocks_softmax(mm, q_uhd, swa_logits_uhk, swa_keys_kd, sink_H, rows_NPx, idx_uk, table_M, n_blocks, d):
-    """One tile's attention over its SWA keys and, block by block of its request's global rows, the rows each
-    query selected: (unnormalised output [u, H, d], softmax denominator [u, H, 1]) with the sink in the
-    denominator. `q_uhd` is pre-scaled; `mm` the einsum in the compute dtype (`_mm`)."""
+    """One tile's attention over its SWA keys and, SCAN_ROWS at a time (whole blocks) of its request's global
+    rows, the rows each query selected: (unnormalised output [u, H, d], softmax denominator [u, H, 1]) with the
+    sink in the denominator. `q_uhd` is pre-scaled; `mm` the einsum in the compute dtype (`_mm`)."""
     u, rpb = idx_uk.shape[0], rows_NPx.shape[1]
-    n_rows = table_M.shape[0] * rpb
+    M = table_M.shape[0]
+    c = max(1, min(M, SCAN_ROWS // rpb))  # blocks per scan step
+    n_rows = -(-M // c) * c * rpb  # the selection padded to whole steps (nothing selected past the table)
     selected = jnp.zeros((u, n_rows + 1), jnp.bool_).at[jnp.arange(u)[:, None], jnp.where(
         idx_uk >= 0, idx_uk, n_rows)].set(True)[:, :n_rows]
     sink = jnp.broadcast_to(sink_H.astype(jnp.float32), swa_logits_uhk.shape[:2])
@@ -255,16 +264,17 @@ def _blocks_softmax(mm, q_uhd, swa_logits_uhk, swa_keys_kd, sink_H, rows_NPx, id
     p = jnp.exp(swa_logits_uhk - m[..., None])
     state = (m, jnp.exp(sink - m) + jnp.sum(p, axis=-1), mm("uhk,kd->uhd", p, swa_keys_kd))
 
-    def block(b, state):
+    def step(b, state):
         m, l, acc = state
-        g = records.decode_rows("nvfp4", rows_NPx[table_M[b]], d)  # [rpb, d], shared by the tile's queries
-        ok = jax.lax.dynamic_slice_in_dim(selected, b * rpb, rpb, axis=1)  # [u, rpb]
+        j = b * c + jnp.arange(c)
+        g = records.decode_rows("nvfp4", rows_NPx[table_M[jnp.minimum(j, M - 1)]], d).reshape(c * rpb, d)
+        ok = jax.lax.dynamic_slice_in_dim(selected, b * c * rpb, c * rpb, axis=1) & jnp.repeat(j < n_blocks, rpb)
         s = jnp.where(ok[:, None], mm("uhd,kd->uhk", q_uhd, g), -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         alpha, p = jnp.exp(m - m_new), jnp.exp(s - m_new[..., None])
         return m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + mm("uhk,kd->uhd", p, g)
 
-    _, l, acc = jax.lax.fori_loop(0, n_blocks, block, state)
+    _, l, acc = jax.lax.fori_loop(0, -(-n_blocks // c), step, state)
     return acc, l[..., None]
 
 
