@@ -2,16 +2,18 @@
 throughput, on the `small` config (or any preset / checkpoint) - the runtime alone, no server.
 
 For each prompt length, a fresh request (no prefix cache) is prefilled in one step; the time runs from
-submitting the step to having the last row's logits on the host, compilation excluded (every bucket is
-precompiled first), median of `--repeats` runs after one warm-up. Decode: `batch` requests with
+submitting the step to having the last row's logits on the host, compilation excluded (every bucket of both modes
+is precompiled first), median of `--repeats` runs after one warm-up, the two modes alternating run by run (`alternate`:
+run one after the other, the second ran 10-20% faster). Decode: `batch` requests with
 `--decode-context` tokens each decode `--decode-steps` tokens together. Prints a table, writes JSON.
 
 Against this machine's roofline (`serving.bench.roofline`): before each timed prefill a matmul probe (`--dtype`),
 before each decode step a streaming probe, so each run is compared with the rate of the same moment (the speed
 of a shared machine drifts 10-30% within minutes). A prefill's fraction = its FLOPs at the probed matmul rate /
 its time; a decode step's ratio = its time / its weight bytes at the probed streaming rate; medians of the runs.
-`--profile-dir DIR`: a `jax.profiler` trace of each measurement's timed runs (one session folder each, named
-after it; the probes are in it too).
+`--profile-dir DIR`: a `jax.profiler` trace of each measurement (one session folder each, named after it): each
+prefill mode's runs again after its timed rounds (a trace slows the runs it records), the decode steps' timed runs
+with their probes.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -62,24 +65,33 @@ def _keys(r: Runner, lengths, args, bounded: bool) -> list[tuple]:
     return sorted(keys | {("sample",)})
 
 
-def bench_prefill(r: Runner, L: int, repeats: int, bounded: bool, vocab: int, profile_dir: str | None = None,
-                  label: str = "", probe: MatmulProbe | None = None) -> tuple[list[float], list[float]]:
-    """(step seconds, matmul FLOP/s probed right before each step; none without `probe`) of `repeats` L-token
-    prefills."""
+def prefill_run(r: Runner, L: int, bounded: bool, vocab: int) -> Callable[[int], float]:
+    """run(i) -> seconds of one L-token prefill of fresh prompt i (no prefix cache): from submitting the step to
+    the last row's logits on the host."""
     def run(i: int) -> float:
         tokens = [int(t) for t in np.random.default_rng(i).integers(3, vocab, L)]
         t = time.perf_counter()
         np.asarray(r.forward([_chunk(r, 0, tokens, 0, L, bounded)]))
         return time.perf_counter() - t
 
-    run(0)  # the first run warms caches and allocators
-    times, rates = [], []
-    with profiling(profile_dir, label):
-        for i in range(1, repeats + 1):
+    return run
+
+
+def alternate(runs: dict[str, Callable[[int], float]], repeats: int,
+              probe: Callable[[], float] | None = None) -> dict[str, tuple[list[float], list[float]]]:
+    """{name: (seconds of `repeats` runs, rates probed right before each; none without `probe`)}: every run once to
+    warm caches and allocators, then `repeats` rounds of one run each in turn. Measured one after the other, the
+    same program ran 10-20% slower first than second in one process (replay off and on compile to one program for
+    a model without a CED cut: 0.190 / 0.149 s in a row, 0.149 / 0.147 s alternated), so the modes alternate."""
+    for run in runs.values():
+        run(0)
+    out = {name: ([], []) for name in runs}
+    for i in range(1, repeats + 1):
+        for name, run in runs.items():
             if probe:
-                rates.append(probe())
-            times.append(run(i))
-    return times, rates
+                out[name][1].append(probe())
+            out[name][0].append(run(i))
+    return out
 
 
 def bench_decode(r: Runner, B: int, context: int, steps: int, vocab: int, profile_dir: str | None = None,
@@ -139,29 +151,35 @@ def main(argv=None) -> int:
     matmul, stream = MatmulProbe(args.dtype), StreamProbe()
     result = {"model": args.model, "dtype": args.dtype, "repeats": args.repeats, "prefill": {}, "decode": {},
               "compile_seconds": {}}
+    runners = {}
     for bounded in (False, True):
         mode = "replay_on" if bounded else "replay_off"
-        r = _runner(model, args, lengths, bounded)
+        runners[mode] = r = _runner(model, args, lengths, bounded)
         result["compile_seconds"][mode] = round(r.precompile(_keys(r, lengths, args, bounded)), 1)
-        for L in lengths:
-            times, rates = bench_prefill(r, L, args.repeats, bounded, vocab, args.profile_dir,
-                                         f"prefill_{L}_{mode}", matmul)
-            flops = prefill_flops(model.config, L)
+    for L in lengths:
+        runs = {mode: prefill_run(r, L, mode == "replay_on", vocab) for mode, r in runners.items()}
+        flops = prefill_flops(model.config, L)
+        for mode, (times, rates) in alternate(runs, args.repeats, matmul).items():
             result["prefill"].setdefault(str(L), {"gflop": flops / 1e9})[mode] = {
                 "median_s": statistics.median(times), "runs_s": times, "matmul_flop_s": rates,
                 "of_matmul_roofline": statistics.median(flops / f / t for f, t in zip(rates, times))}
-        if bounded:
-            for B in args.decode_batches:
-                times, rates = bench_decode(r, B, args.decode_context, args.decode_steps, vocab,
-                                            args.profile_dir, f"decode_batch{B}", stream)
-                nbytes = decode_weight_bytes(model, B)
-                result["decode"][str(B)] = {
-                    "step_s": statistics.median(times), "tokens_per_s": B / statistics.median(times),
-                    "runs_s": times, "stream_bytes_s": rates, "weight_bytes_per_step": nbytes,
-                    "weight_read_floor_s": nbytes / statistics.median(rates),
-                    "step_over_floor": statistics.median(t * f / nbytes for f, t in zip(rates, times))}
-        del r
-    lines = [f"prefill, {args.model} ({args.dtype}), median of {args.repeats} after warm-up, compile excluded; "
+        for mode, run in runs.items() if args.profile_dir else ():  # after the timed rounds: tracing slows runs
+            with profiling(args.profile_dir, f"prefill_{L}_{mode}"):
+                for i in range(1, args.repeats + 1):
+                    run(i)
+    r = runners.pop("replay_on")
+    runners.clear()
+    for B in args.decode_batches:
+        times, rates = bench_decode(r, B, args.decode_context, args.decode_steps, vocab,
+                                    args.profile_dir, f"decode_batch{B}", stream)
+        nbytes = decode_weight_bytes(model, B)
+        result["decode"][str(B)] = {
+            "step_s": statistics.median(times), "tokens_per_s": B / statistics.median(times),
+            "runs_s": times, "stream_bytes_s": rates, "weight_bytes_per_step": nbytes,
+            "weight_read_floor_s": nbytes / statistics.median(rates),
+            "step_over_floor": statistics.median(t * f / nbytes for f, t in zip(rates, times))}
+    lines = [f"prefill, {args.model} ({args.dtype}), median of {args.repeats} after warm-up, replay off and on "
+             f"alternated run by run, compile excluded; "
              f"roofline = the prefill's FLOPs at the {args.dtype} matmul rate probed before each run",
              f"{'tokens':>7} {'GFLOP':>7} {'replay off (s)':>15} {'of roofline':>12} {'replay on (s)':>14} "
              f"{'of roofline':>12} {'on/off':>7}"]

@@ -50,3 +50,15 @@ def test_prefill_flops_count_the_active_parameters_and_what_the_first_token_atte
     assert {r.compress_ratio for r in c.roles} == {0, 1, 2}  # every case above occurs
     np.testing.assert_allclose(prefill_flops(c, 1), 2 * active + attention, rtol=1e-12)
     assert prefill_flops(c, 64) > 64 * prefill_flops(c, 1)  # later tokens attend to more rows
+
+
+def test_alternate_warms_every_mode_then_runs_them_in_turn_each_after_a_probe():
+    from serving.bench.prefill import alternate
+
+    log = []
+    runs = {m: (lambda i, m=m: log.append((m, i)) or 0.01 * i) for m in ("off", "on")}
+    probes = iter(range(100))
+    out = alternate(runs, 3, probe=lambda: log.append("probe") or float(next(probes)))
+    assert log == [("off", 0), ("on", 0)] + [x for i in (1, 2, 3) for m in ("off", "on") for x in ("probe", (m, i))]
+    assert out == {"off": ([0.01, 0.02, 0.03], [0.0, 2.0, 4.0]), "on": ([0.01, 0.02, 0.03], [1.0, 3.0, 5.0])}
+    assert alternate(runs, 1)["on"][1] == []  # no probe, no rates
