@@ -4,7 +4,7 @@ throughput, on the `small` config (or any preset / checkpoint) - the runtime alo
 For each prompt length, a fresh request (no prefix cache) is prefilled in one step; the time runs from
 submitting the step to having the last row's logits on the host, compilation excluded (every bucket of both modes
 is precompiled first), median of `--repeats` runs after one warm-up, the two modes alternating run by run (`alternate`:
-run one after the other, the second ran 10-20% faster). Decode: `batch` requests with
+run one after the other, the first ran 13-28% slower). Decode: `batch` requests with
 `--decode-context` tokens each decode `--decode-steps` tokens together. Prints a table, writes JSON.
 
 Against this machine's roofline (`serving.bench.roofline`): before each timed prefill a matmul probe (`--dtype`),
@@ -80,9 +80,9 @@ def prefill_run(r: Runner, L: int, bounded: bool, vocab: int) -> Callable[[int],
 def alternate(runs: dict[str, Callable[[int], float]], repeats: int,
               probe: Callable[[], float] | None = None) -> dict[str, tuple[list[float], list[float]]]:
     """{name: (seconds of `repeats` runs, rates probed right before each; none without `probe`)}: every run once to
-    warm caches and allocators, then `repeats` rounds of one run each in turn. Measured one after the other, the
-    same program ran 10-20% slower first than second in one process (replay off and on compile to one program for
-    a model without a CED cut: 0.190 / 0.149 s in a row, 0.149 / 0.147 s alternated), so the modes alternate."""
+    warm caches and allocators, then `repeats` rounds of one run each in turn. Measured one after the other in one
+    process, the same program ran 13-28% slower first than second in four runs (replay off and on compile to one
+    program for a model without a CED cut: 0.190 / 0.149 s in a row, 0.149 / 0.147 s alternated)."""
     for run in runs.values():
         run(0)
     out = {name: ([], []) for name in runs}
