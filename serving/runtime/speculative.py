@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv41.config import ModelConfig
+from serving.runtime.sampler import argmax
 
 METHODS = ("dspark",)
 REJECTION_METHODS = ("standard", "block", "synthetic")
@@ -124,7 +125,7 @@ class SpeculativeConfig:
 
 def gumbel_argmax(logits_NV: jax.Array, keys_N: jax.Array) -> jax.Array:
     g = jax.vmap(lambda k: jax.random.gumbel(k, logits_NV.shape[1:], jnp.float32))(keys_N)
-    return jnp.argmax(logits_NV + g, axis=-1).astype(jnp.int32)
+    return argmax(logits_NV + g)
 
 
 def row_keys(seed_N: jax.Array, position_N: jax.Array, stream: int) -> jax.Array:
@@ -149,7 +150,7 @@ def verify(logp_RJV: jax.Array, greedy_R: jax.Array, drafts_RK: jax.Array, q_RKV
     d = drafts_RK.astype(jnp.int32)
     lp_d = jnp.take_along_axis(logp_RJV[:, :K], d[..., None], axis=-1)[..., 0]  # [R, K] target log p of each draft
     q_d = jnp.take_along_axis(q_RKV, d[..., None], axis=-1)[..., 0]
-    argmax_RJ = jnp.argmax(logp_RJV, axis=-1).astype(jnp.int32)
+    argmax_RJ = argmax(logp_RJV)
     u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(
         row_keys(jnp.repeat(seed_R, K), (pos_R[:, None] + 1 + i_K).reshape(-1), 1)).reshape(R, K)
     if method == "synthetic":

@@ -28,13 +28,17 @@ def test_greedy_and_logprob():
 
 
 def test_top_logprobs_are_the_most_likely_tokens():
+    """Every row's, when any row of the step asks for them; none computed (zeros) when no row does."""
     logits = np.random.default_rng(3).standard_normal((3, V)).astype(np.float32)
-    p = sampling_arrays([SamplingParams(temperature=0.8, seed=1)] * 3, [0] * 3, 3, 0)
-    _, _, ids, lp = jax.jit(sample, static_argnames="max_top_k")(jnp.asarray(logits), p, max_top_k=64)
+    f = jax.jit(sample, static_argnames="max_top_k")
+    asks = [SamplingParams(temperature=0.8, seed=1, logprobs=2)] + [SamplingParams(temperature=0.8, seed=1)] * 2
+    _, _, ids, lp = f(jnp.asarray(logits), sampling_arrays(asks, [0] * 3, 3, 0), max_top_k=64)
     ref = logits - np.log(np.exp(logits).sum(1, keepdims=True))  # the unscaled model distribution
     order = np.argsort(-logits, axis=1)[:, :MAX_LOGPROBS]
     np.testing.assert_array_equal(np.asarray(ids), order)
     np.testing.assert_allclose(np.asarray(lp), np.take_along_axis(ref, order, 1), rtol=1e-5)
+    _, _, ids, lp = f(jnp.asarray(logits), sampling_arrays(asks[1:] + asks[1:2], [0] * 3, 3, 0), max_top_k=64)
+    assert not np.asarray(ids).any() and not np.asarray(lp).any()
 
 
 def test_filters_restrict_the_choice():
@@ -98,3 +102,14 @@ def test_banned_ids_are_never_sampled_and_logprobs_stay_raw():
     assert tok[0] == top2[0, 1] and tok[2] == top2[2, 1] and tok[1] not in banned[1] and tok[3] == top2[3, 0]
     ref = logits - np.log(np.exp(logits).sum(1, keepdims=True))
     np.testing.assert_allclose(np.asarray(lp), ref[np.arange(4), tok], rtol=1e-5)
+
+
+def test_argmax_is_jnp_argmax_with_ties_infinities_and_nans():
+    from serving.runtime.sampler import argmax
+
+    x = np.random.default_rng(4).integers(-3, 3, (64, 50)).astype(np.float32)  # many ties
+    x[1] = -np.inf
+    x[2, 7] = np.inf
+    x[3, [5, 9]] = np.nan
+    x[4] = np.nan
+    np.testing.assert_array_equal(np.asarray(jax.jit(argmax)(jnp.asarray(x))), np.asarray(jnp.argmax(x, axis=-1)))
