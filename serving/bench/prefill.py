@@ -163,12 +163,13 @@ def main(argv=None) -> int:
             result["prefill"].setdefault(str(L), {"gflop": flops / 1e9})[mode] = {
                 "median_s": statistics.median(times), "runs_s": times, "matmul_flop_s": rates,
                 "of_matmul_roofline": statistics.median(flops / f / t for f, t in zip(rates, times))}
-        for mode, run in runs.items() if args.profile_dir else ():  # after the timed rounds: tracing slows runs
-            with profiling(args.profile_dir, f"prefill_{L}_{mode}"):
-                for i in range(1, args.repeats + 1):
-                    run(i)
-    r = runners.pop("replay_on")
-    runners.clear()
+        if args.profile_dir:  # after the timed rounds: a trace slows the runs it records
+            for mode, run in runs.items():
+                with profiling(args.profile_dir, f"prefill_{L}_{mode}"):
+                    for i in range(1, args.repeats + 1):
+                        run(i)
+    r = runners["replay_on"]
+    del runners, runs  # the replay-off runner's cache and programs go before the decode steps
     for B in args.decode_batches:
         times, rates = bench_decode(r, B, args.decode_context, args.decode_steps, vocab,
                                     args.profile_dir, f"decode_batch{B}", stream)
