@@ -17,8 +17,7 @@ import jax.numpy as jnp
 
 from serving.runtime import draft, rollback
 from serving.runtime.kv_cache import CacheLayout
-from serving.runtime.sampler import target_logprobs
-from serving.runtime.sampling_params import MAX_LOGPROBS
+from serving.runtime.sampler import target_logprobs, top_logprobs
 from serving.runtime.speculative import SpeculativeConfig, verify
 
 
@@ -68,7 +67,7 @@ def finish(module, layout: CacheLayout, spec: SpeculativeConfig, cache: dict, ta
                         synthetic_rate=spec.synthetic_rate if method == "synthetic" else 0.0)
     raw = jax.nn.log_softmax(logits_RJV.astype(jnp.float32), axis=-1)
     logprob = jnp.take_along_axis(raw, emitted[..., None], axis=-1)[..., 0]
-    top_lp, top_ids = jax.lax.top_k(raw, min(MAX_LOGPROBS, V))
+    top_lp, top_ids = top_logprobs(raw, p["logprobs"])  # only when a row asks for them
     committed = {src: rows[s.first_row_R + n] for src, rows in tail_rows.items()}
     cache = rollback.restore(layout, cache, snap, s.slot_R, s.row0_pos_R, s.block_table_RM, s.n_draft_R, n,
                              committed)
@@ -80,4 +79,4 @@ def finish(module, layout: CacheLayout, spec: SpeculativeConfig, cache: dict, ta
     drafts, q, conf = draft.markov_draft(module.dspark, hidden, base, anchor, anchor_pos, greedy_drafts,
                                          p["temperature"], p["seed"])
     q_buf = q_buf_SBV.at[jnp.where(s.active_R, s.slot_R, q_buf_SBV.shape[0])].set(q, mode="drop")
-    return cache, q_buf, SpecOutput(emitted, n, logprob, top_ids.astype(jnp.int32), top_lp, drafts, conf)
+    return cache, q_buf, SpecOutput(emitted, n, logprob, top_ids, top_lp, drafts, conf)

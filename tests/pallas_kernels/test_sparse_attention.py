@@ -132,11 +132,16 @@ def _dot_operand_dtypes(fn, args) -> set[str]:
     return found
 
 
-def test_xla_block_scan_stops_at_n_blocks():
-    """The XLA path's per-tile block scan (a table of at most size x k rows) reads only `meta.n_blocks` blocks:
-    with every selected row below that bound the result is the reference's; a bound below a selected row's
-    block drops that row (so the bound is really used)."""
+@pytest.mark.parametrize("scan_rows", [8, 16, 32, 128])  # 1, 2, 4, all 6 blocks of 8 rows per scan step
+def test_xla_block_scan_stops_at_n_blocks(monkeypatch, scan_rows):
+    """The XLA path's per-tile block scan (a table of at most size x k rows), SCAN_ROWS rows a step: over the whole
+    table (a last step past it: 6 blocks in steps of 4) it is the reference; it reads only `meta.n_blocks` blocks
+    (a bound inside a step too): with every selected row below that bound the result is the reference's, a bound
+    below a selected row's block drops that row (so the bound is really used)."""
+    monkeypatch.setattr(sa, "SCAN_ROWS", scan_rows)
     rng, msg = seeded_rng()
+    case = with_plan(make_case(rng, quantized=True), 4)
+    assert_close(sa.xla(*case), sa.reference(*case), msg)
     q, cos, sin, sink, kv, ring, meta, rows, topk = with_plan(make_case(rng, quantized=False), 4)
     topk = jnp.where(topk < 3 * 8, topk, -1)  # rows of the first 3 blocks of each request
     args = (q, cos, sin, sink, kv, ring, meta._replace(n_blocks=jnp.int32(3)), rows, topk)

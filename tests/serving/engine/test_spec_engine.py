@@ -101,3 +101,28 @@ def _metric_pos(engine, i):
         if line.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total") and f'position="{i}"' in line:
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError("per-position acceptance not exported")
+
+
+def test_top_logprobs_are_computed_when_asked_with_and_without_speculation(model):
+    """A request asking for 3 top logprobs, batched with one that asks for none (the device computes them only in a
+    step where some row asks): plain and speculative engines give the same top entries; each lists the most likely
+    tokens in order, the chosen token's logprob matching its entry where it is among them."""
+    asks = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    silent = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    tops = []
+    for kw in ({}, {"speculative_config": SPEC}):
+        eng = Engine(model, None, _args(model, **kw), progress=False)
+        eng.add_request("a", _prompt(1), asks)
+        eng.add_request("s", _prompt(2), silent)
+        got = {"a": [], "s": []}
+        while eng.has_unfinished():
+            for o in eng.step():
+                got[o.request_id] += o.new_logprobs or []
+        assert not got["s"] and len(got["a"]) == 8
+        for x in got["a"]:
+            lps = [lp for _, lp in x.top]
+            assert len(x.top) == 3 and lps == sorted(lps, reverse=True) and x.top[0][1] > -np.inf
+            assert x.token_id == x.top[0][0]  # greedy: the chosen token is the most likely one
+            np.testing.assert_allclose(x.logprob, x.top[0][1], rtol=1e-6)
+        tops.append([[t for t, _ in x.top] for x in got["a"]])
+    assert tops[0] == tops[1]
