@@ -6,6 +6,7 @@ Every op module exposes `reference` (plain jnp from the spec), `xla` (the fast p
 implementation, so the CPU runs the same op a GPU runs. The package imports nothing of the model.
 """
 
+from pallas_kernels import triton_offsets
 from pallas_kernels.dispatch import IMPLS, resolve_impl
 from pallas_kernels.expert_weights import QuantizedExperts, quantized_experts
 from pallas_kernels.indexer import IndexMeta, index_topk
@@ -14,6 +15,8 @@ from pallas_kernels.moe_gmm import routed_experts
 from pallas_kernels.router import route
 from pallas_kernels.sparse_attention import AttnMeta, sparse_mla
 from pallas_kernels.tiles import QueryTiles, plan_tiles
+
+triton_offsets.apply()  # int64 offsets for 1-byte arrays of 2-4 GiB (a jax lowering bug; see the module)
 
 __all__ = ["IMPLS", "resolve_impl", "AttnMeta", "sparse_mla", "route", "IndexMeta", "index_topk", "mhc_post_pre",
            "routed_experts", "QuantizedExperts", "quantized_experts", "QueryTiles", "plan_tiles"]

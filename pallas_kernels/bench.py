@@ -1,10 +1,14 @@
 """Benchmark of the fused kernels: `python -m pallas_kernels.bench [--smoke] [--out FILE]`.
 
-On a GPU (< 5 min): every kernel at V4.1-Flash sizes is checked against a slower path on the device, timed
-(median of jitted runs), and reported as achieved GB/s and TFLOP/s against ceilings this script measures
+On a GPU (~2-3 min): every kernel at V4.1-Flash sizes is checked against a slower path on the device
+(`compare`: float error, or the overlap of selected row-id sets), timed (median of jitted runs: cases moving less
+than a few L2s run on several input copies in one program, so no dispatch sits between the timed kernels), and
+reported as achieved GB/s and TFLOP/s against ceilings this script measures
 itself (a copy-bandwidth probe and a bf16 matmul probe), with the predicted time from NOTES.md's byte and
 FLOP counts and the speed-up over the XLA path of the same op (fused Pallas vs XLA). `--smoke` runs tiny
-sizes with the kernels interpreted, so the script stays exercised on CPU. Prints a table, writes JSON.
+sizes with the kernels interpreted, so the script stays exercised on CPU. Prints each row as it is measured and a
+table at the end; the JSON is rewritten after every case, so a run cut short (time limit, device fault) keeps what
+it measured. Measured on an H200: `bench_h200.json`, summarised in NOTES.md.
 
 MoE routed experts: MXFP4 weights decoded in the kernel (fused) against the XLA path, which decodes each
 row tile's expert into a bf16 matrix and then multiplies (unfused); the same kernel on bf16 weights shows
@@ -45,26 +49,50 @@ class Case(NamedTuple):
     others: tuple = ()  # (label, fn) further implementations timed on the same args
 
 
-def _median_seconds(fn: Callable, args: tuple, reps: int) -> float:
-    jax.block_until_ready(fn(*args))
+L2_BYTES = 60e6  # H200: inputs smaller than a few times this are rotated so that timed runs do not read L2 only
+# after these CUDA errors every later call fails too (seen on an H200: an out-of-bounds read in one case, then
+# "illegal address" from each case after it until the process crashed), so the remaining cases are skipped
+DEVICE_FAULTS = ("CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_ILLEGAL_INSTRUCTION", "CUDA_ERROR_LAUNCH_FAILED",
+                 "CUDA_ERROR_MISALIGNED_ADDRESS")
+SHARED_BYTES = 256e6  # arrays at least this large (expert stacks, caches) are not copied for the rotation
+
+
+def _median_seconds(fn: Callable, arg_sets: list[tuple], reps: int, calls: int = 1) -> float:
+    """Median over `reps` of the seconds per call of `calls` calls dispatched back to back (cycling through
+    `arg_sets`) and waited for once: the device runs them in order, so a kernel shorter than a dispatch is timed
+    as the dispatch (such rows are launch-bound, not kernel-bound)."""
+    for args in arg_sets:
+        jax.block_until_ready(fn(*args))
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
+        for i in range(calls):
+            out = fn(*arg_sets[i % len(arg_sets)])
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / calls)
     return statistics.median(times)
 
 
+def _rotated(args: tuple, nbytes: float, copies: int | None = None) -> list[tuple]:
+    """`args` and copies of its arrays under `SHARED_BYTES` (larger ones, e.g. expert stacks, are shared): enough
+    that the bytes one call moves, cycled through, are ~4x the L2."""
+    n = copies or min(8, max(1, int(np.ceil(4 * L2_BYTES / max(nbytes, 1.0)))))
+    copy = lambda x: jnp.array(x, copy=True) if isinstance(x, jax.Array) and x.nbytes < SHARED_BYTES else x
+    return [args] + [jax.tree.map(copy, args) for _ in range(n - 1)]
+
+
 def ceilings(smoke: bool, reps: int) -> dict:
-    """Measured copy bandwidth (read + write bytes / s) and bf16 matmul FLOP/s of this device."""
+    """Measured copy bandwidth (read + write bytes / s) and bf16 matmul FLOP/s of this device (random operands:
+    zeros or ones run faster than real data on an H200)."""
     n = 1 << (16 if smoke else 28)
-    x = jnp.ones((n,), jnp.float32)
+    x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
     copy = jax.jit(lambda a: a + 1.0)
-    bw = 2 * 4 * n / _median_seconds(copy, (x,), reps)
+    bw = 2 * 4 * n / _median_seconds(copy, [(x,)], reps)
     m = 256 if smoke else 8192
-    a = jnp.ones((m, m), jnp.bfloat16)
+    a = jax.random.normal(jax.random.key(1), (m, m), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(2), (m, m), jnp.bfloat16)
     mm = jax.jit(lambda p, q: jnp.dot(p, q, preferred_element_type=jnp.float32))
-    return {"copy_bytes_per_s": bw, "matmul_flops_per_s": 2 * m ** 3 / _median_seconds(mm, (a, a), reps)}
+    return {"copy_bytes_per_s": bw, "matmul_flops_per_s": 2 * m ** 3 / _median_seconds(mm, [(a, b)], reps)}
 
 
 def _attention_case(rng, *, B, ctx, prefill_rows, smoke):
@@ -206,74 +234,155 @@ def _fp8_linear_case(rng, *, T: int, smoke: bool):
                 lambda *a: fp8_linear.xla(*a, **kw), lambda *a: fp8_linear.reference(*a, **kw), by, 2.0 * T * O * I)
 
 
-def cases(smoke: bool, rng) -> list[Case]:
+def cases(smoke: bool, rng) -> list[Callable[[], Case]]:
+    """Thunks building each case (in this order, drawing from `rng`): a case is built only when its turn comes, so
+    a failure to build one (e.g. out of memory) is that case's error, and the MoE expert stacks exist only once a
+    MoE case runs."""
     if smoke:
-        return [_attention_case(rng, B=2, ctx=64, prefill_rows=0, smoke=True),
-                _attention_case(rng, B=1, ctx=64, prefill_rows=4, smoke=True),
-                _router_case(rng, T=5, smoke=True),
-                _indexer_case(rng, B=2, ctx=64, candidates=False, smoke=True),
-                _indexer_case(rng, B=2, ctx=256, candidates=True, smoke=True),
-                _mhc_case(rng, T=5, smoke=True),
-                _fp8_linear_case(rng, T=5, smoke=True),
-                _moe_case(rng, {"mxfp4": _moe_weights(jax.random.key(1), True, "mxfp4")}, T=5, kind="mxfp4",
-                          smoke=True)]
-    out = [_attention_case(rng, B=B, ctx=ctx, prefill_rows=0, smoke=False) for ctx in (8192, 131072) for B in (1, 8, 64)]
-    out.append(_attention_case(rng, B=1, ctx=8192, prefill_rows=4096, smoke=False))
-    out += [_router_case(rng, T=T, smoke=False) for T in (1, 8, 64, 4096)]
-    out += [_indexer_case(rng, B=B, ctx=ctx, candidates=True, smoke=False) for ctx in (8192, 131072) for B in (1, 8, 64)]
-    out += [_indexer_case(rng, B=B, ctx=8192, candidates=False, smoke=False) for B in (1, 64)]
-    out += [_mhc_case(rng, T=T, smoke=False) for T in (1, 64, 4096)]
-    out += [_fp8_linear_case(rng, T=T, smoke=False) for T in (1, 64, 8192)]
-    weights = {kind: _moe_weights(jax.random.key(1), False, kind) for kind in ("mxfp4", "bf16")}
-    out += [_moe_case(rng, weights, T=T, kind="mxfp4", smoke=False) for T in (1, 8, 64, 4096)]
-    out += [_moe_case(rng, weights, T=T, kind="bf16", smoke=False) for T in (1, 64, 4096)]
+        return [lambda: _attention_case(rng, B=2, ctx=64, prefill_rows=0, smoke=True),
+                lambda: _attention_case(rng, B=1, ctx=64, prefill_rows=4, smoke=True),
+                lambda: _router_case(rng, T=5, smoke=True),
+                lambda: _indexer_case(rng, B=2, ctx=64, candidates=False, smoke=True),
+                lambda: _indexer_case(rng, B=2, ctx=256, candidates=True, smoke=True),
+                lambda: _mhc_case(rng, T=5, smoke=True),
+                lambda: _fp8_linear_case(rng, T=5, smoke=True),
+                lambda: _moe_case(rng, {"mxfp4": _moe_weights(jax.random.key(1), True, "mxfp4")}, T=5, kind="mxfp4",
+                                  smoke=True)]
+    out = [lambda B=B, ctx=ctx: _attention_case(rng, B=B, ctx=ctx, prefill_rows=0, smoke=False)
+           for ctx in (8192, 131072) for B in (1, 8, 64)]
+    out.append(lambda: _attention_case(rng, B=1, ctx=8192, prefill_rows=4096, smoke=False))
+    out += [lambda T=T: _router_case(rng, T=T, smoke=False) for T in (1, 8, 64, 4096)]
+    out += [lambda B=B, ctx=ctx: _indexer_case(rng, B=B, ctx=ctx, candidates=True, smoke=False)
+            for ctx in (8192, 131072) for B in (1, 8, 64)]
+    out += [lambda B=B: _indexer_case(rng, B=B, ctx=8192, candidates=False, smoke=False) for B in (1, 64)]
+    out += [lambda T=T: _mhc_case(rng, T=T, smoke=False) for T in (1, 64, 4096)]
+    out += [lambda T=T: _fp8_linear_case(rng, T=T, smoke=False) for T in (1, 64, 8192)]
+    weights = {}  # each kind's expert stacks (7 / 27 GB), made by the first case that needs them
+
+    def moe(T: int, kind: str) -> Case:
+        if kind not in weights:
+            weights[kind] = _moe_weights(jax.random.key(1), False, kind)
+        return _moe_case(rng, weights, T=T, kind=kind, smoke=False)
+
+    out += [lambda T=T: moe(T, "mxfp4") for T in (1, 8, 64, 4096)]
+    out += [lambda T=T: moe(T, "bf16") for T in (1, 64, 4096)]
     return out
 
 
-def _max_diff(a, b) -> float:
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    return max(float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)), initial=0.0))
-               for x, y in zip(la, lb))
+def compare(out, ref) -> dict:
+    """How the kernel's output agrees with the check's: over float leaves the max |difference| and the relative
+    error ||out - ref|| / ||ref||; over integer leaves (selected row ids, whose order among near-equal scores may
+    differ) the mean overlap of each row's id set with the check's, ignoring -1 padding (1.0: the same sets)."""
+    diff, err2, ref2, overlaps = 0.0, 0.0, 0.0, []
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+        a, b = np.asarray(a), np.asarray(b)
+        if np.issubdtype(b.dtype, np.integer):
+            for x, y in zip(a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])):
+                want = set(y[y >= 0].tolist())
+                overlaps.append(len(want & set(x[x >= 0].tolist())) / len(want) if want else float(not (x >= 0).any()))
+            continue
+        a, b = a.astype(np.float64), b.astype(np.float64)
+        diff = max(diff, float(np.max(np.abs(a - b), initial=0.0)))
+        err2, ref2 = err2 + float(np.sum((a - b) ** 2)), ref2 + float(np.sum(b ** 2))
+    out = {"max_abs_diff_vs_check": diff, "rel_err_vs_check": (err2 / ref2) ** 0.5 if ref2 else float(err2 > 0)}
+    if overlaps:
+        out["id_overlap_vs_check"] = float(np.mean(overlaps))
+    return out
 
 
-def run(smoke: bool, reps: int, seed: int) -> dict:
+def _seconds_per_call(fn: Callable, arg_sets: list[tuple], reps: int, calls: int) -> float:
+    """Seconds per call of `fn` (not jitted): with several input copies, one program runs it on each copy back to
+    back (device time, no dispatch between the calls; distinct buffers, so nothing is computed once for all);
+    with one, `calls` dispatches back to back (cases that large run far longer than a dispatch)."""
+    if len(arg_sets) > 1:
+        many = jax.jit(lambda sets: [fn(*a) for a in sets])
+        return _median_seconds(many, [(arg_sets,)], reps, calls) / len(arg_sets)
+    return _median_seconds(jax.jit(fn), arg_sets, reps, calls)
+
+
+def measure(case: Case, reps: int, ceil: dict, calls: int, copies: int | None = None) -> dict:
+    """One table row: the kernel checked against `case.check` on the device, then it and the XLA path timed."""
+    checked = compare(jax.jit(case.kernel)(*case.args), jax.jit(case.check)(*case.args))
+    arg_sets = _rotated(case.args, case.bytes, copies)
+    t_k = _seconds_per_call(case.kernel, arg_sets, reps, calls)
+    t_b = _seconds_per_call(case.baseline, arg_sets, reps, calls)
+    predicted = max(case.bytes / H200_BYTES_PER_S, case.flops / H200_FLOPS)
+    row = {"kernel": case.name, **checked, "pallas_s": t_k, "xla_s": t_b,
+           "xla_over_pallas": t_b / t_k, "bytes": case.bytes, "flops": case.flops,
+           "gb_per_s": case.bytes / t_k / 1e9, "tflop_per_s": case.flops / t_k / 1e12,
+           "fraction_of_measured_bw": case.bytes / t_k / ceil["copy_bytes_per_s"],
+           "predicted_h200_s": predicted, "input_copies": len(arg_sets)}
+    for label, fn in case.others:  # seconds, or the error of an optional library (reported, not fatal)
+        try:
+            row.setdefault("others", {})[label] = _seconds_per_call(fn, arg_sets, reps, calls)
+        except Exception as e:
+            row.setdefault("others", {})[label] = f"{type(e).__name__}: {e}"[:500]
+    return row
+
+
+def run(smoke: bool, reps: int, seed: int, only: tuple[str, ...] = (), max_seconds: float | None = None,
+        out: str | None = None) -> dict:
+    """Every case (or those whose name contains one of `only`), each row printed and the report written to `out`
+    as soon as it is measured, so a run cut short keeps what it measured. A case that fails (a kernel that does
+    not compile, a wrong result is not a failure: its max difference is reported) is an `error` row; cases not
+    started within `max_seconds`, or after a device fault (`DEVICE_FAULTS`), are `skipped` rows."""
     rng = np.random.default_rng(seed)
-    ceil = ceilings(smoke, reps)
-    rows = []
-    for case in cases(smoke, rng):
-        kern, base = jax.jit(case.kernel), jax.jit(case.baseline)
-        diff = _max_diff(kern(*case.args), jax.jit(case.check)(*case.args))
-        t_k = _median_seconds(kern, case.args, reps)
-        t_b = _median_seconds(base, case.args, reps)
-        predicted = max(case.bytes / H200_BYTES_PER_S, case.flops / H200_FLOPS)
-        row = {"kernel": case.name, "max_abs_diff_vs_check": diff, "pallas_s": t_k, "xla_s": t_b,
-               "xla_over_pallas": t_b / t_k, "bytes": case.bytes, "flops": case.flops,
-               "gb_per_s": case.bytes / t_k / 1e9, "tflop_per_s": case.flops / t_k / 1e12,
-               "fraction_of_measured_bw": case.bytes / t_k / ceil["copy_bytes_per_s"],
-               "predicted_h200_s": predicted}
-        for label, fn in case.others:  # seconds, or the error of an optional library (reported, not fatal)
+    start, faulted = time.perf_counter(), None
+    report = {"device": str(jax.devices()[0]), "backend": jax.default_backend(), "smoke": smoke, "seed": seed,
+              "ceilings": ceilings(smoke, reps), "results": []}
+    print_header(report)
+    for n, build in enumerate(cases(smoke, rng)):
+        if faulted:
+            row = {"kernel": f"case {n}", "skipped": f"the device faulted in {faulted}: its context is unusable"}
+        elif max_seconds is not None and time.perf_counter() - start > max_seconds:
+            row = {"kernel": f"case {n}", "skipped": f"not started within --max-seconds {max_seconds:g}"}
+        else:
             try:
-                row.setdefault("others", {})[label] = _median_seconds(jax.jit(fn), case.args, reps)
+                case = build()
             except Exception as e:
-                row.setdefault("others", {})[label] = f"{type(e).__name__}: {e}"[:500]
-        rows.append(row)
-    return {"device": str(jax.devices()[0]), "backend": jax.default_backend(), "smoke": smoke, "seed": seed,
-            "ceilings": ceil, "results": rows}
+                row = {"kernel": f"case {n}", "error": f"building it: {type(e).__name__}: {e}"[:2000]}
+            else:
+                if only and not any(s in case.name for s in only):
+                    continue
+                try:
+                    row = measure(case, reps, report["ceilings"], calls=1 if smoke else 10,
+                                  copies=1 if smoke else None)
+                except Exception as e:
+                    row = {"kernel": case.name, "error": f"{type(e).__name__}: {e}"[:2000]}
+                    if any(code in str(e) for code in DEVICE_FAULTS):
+                        faulted = case.name
+        report["results"].append(row)
+        print_row(row, flush=True)
+        if out:
+            with open(out, "w") as f:
+                json.dump(report, f, indent=1)
+    return report
 
 
-def print_table(report: dict) -> None:
+def print_header(report: dict) -> None:
     c = report["ceilings"]
     print(f"device {report['device']}  copy {c['copy_bytes_per_s'] / 1e9:.0f} GB/s  "
           f"matmul {c['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s")
     print(f"{'kernel':42s} {'pallas us':>10s} {'xla us':>10s} {'xla/pal':>8s} {'GB/s':>8s} {'%bw':>5s} "
-          f"{'TFLOP/s':>8s} {'pred us':>8s} {'maxdiff':>9s}")
+          f"{'TFLOP/s':>8s} {'pred us':>8s} {'maxdiff':>9s} {'rel err':>9s} {'ids':>6s}")
+
+
+def print_row(r: dict, flush: bool = False) -> None:
+    if "pallas_s" not in r:
+        print(f"{r['kernel']:42s} {r.get('error') or r.get('skipped')}"[:400], flush=flush)
+        return
+    print(f"{r['kernel']:42s} {r['pallas_s'] * 1e6:10.1f} {r['xla_s'] * 1e6:10.1f} {r['xla_over_pallas']:8.2f} "
+          f"{r['gb_per_s']:8.1f} {100 * r['fraction_of_measured_bw']:5.1f} {r['tflop_per_s']:8.2f} "
+          f"{r['predicted_h200_s'] * 1e6:8.1f} {r['max_abs_diff_vs_check']:9.2e} {r['rel_err_vs_check']:9.2e} "
+          + (f"{r['id_overlap_vs_check']:6.3f}" if "id_overlap_vs_check" in r else f"{'':6s}"), flush=flush)
+    for label, t in r.get("others", {}).items():
+        print(f"  {r['kernel']}: {label} " + (f"{t * 1e6:.1f} us" if isinstance(t, float) else t), flush=flush)
+
+
+def print_table(report: dict) -> None:
+    print_header(report)
     for r in report["results"]:
-        print(f"{r['kernel']:42s} {r['pallas_s'] * 1e6:10.1f} {r['xla_s'] * 1e6:10.1f} {r['xla_over_pallas']:8.2f} "
-              f"{r['gb_per_s']:8.1f} {100 * r['fraction_of_measured_bw']:5.1f} {r['tflop_per_s']:8.2f} "
-              f"{r['predicted_h200_s'] * 1e6:8.1f} {r['max_abs_diff_vs_check']:9.2e}")
-    for r in report["results"]:
-        for label, t in r.get("others", {}).items():
-            print(f"  {r['kernel']}: {label} " + (f"{t * 1e6:.1f} us" if isinstance(t, float) else t))
+        print_row(r)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -281,14 +390,19 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--smoke", action="store_true", help="tiny sizes, kernels interpreted (CPU)")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only", default="", help="comma-separated parts of case names to run (default: all)")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="start no case after this many seconds (the rest are reported as skipped)")
     p.add_argument("--out", default="pallas_kernels_bench.json")
     a = p.parse_args(argv)
     if not a.smoke and jax.default_backend() != "gpu":
         raise SystemExit("the full benchmark needs a GPU backend; use --smoke on CPU")
-    report = run(a.smoke, a.reps, a.seed)
+    only = tuple(x for x in a.only.split(",") if x)
+    report = run(a.smoke, a.reps, a.seed, only, a.max_seconds, a.out)
+    print("\nsummary (us per call, median of --reps; on a GPU, cases moving under 240 MB run on several input copies "
+          "back to back in one program, larger ones as 10 calls dispatched back to back; ids: mean overlap of the "
+          "selected id sets with the check's)")
     print_table(report)
-    with open(a.out, "w") as f:
-        json.dump(report, f, indent=1)
     return report
 
 

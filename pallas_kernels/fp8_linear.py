@@ -17,6 +17,7 @@ accumulation, HIGHEST precision in float32.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,9 @@ from pallas_kernels.dispatch import interpret_default, resolve_impl
 from pallas_kernels.expert_weights import decode_tile
 
 MIN_DOT = 16  # Triton's smallest dot dimension
+# auto runs the kernel for at most this many rows: on an H200 (2026-12-04, wq_b [32768, 1280]) it was no faster than
+# XLA's decode + cuBLAS dot at 1 row (100 vs 101 us, both dispatch-bound) and 4.3x slower at 8,192 (5.6 vs 1.3 ms)
+AUTO_MAX_ROWS = 64
 
 
 def _as_bytes(w: jax.Array) -> jax.Array:
@@ -119,9 +123,11 @@ def pallas(x_TI, w_OI, scale, *, block: tuple[int, int], dtype, out_dtype, block
 
 def fp8_linear(x_TI, w_OI, scale, *, block: tuple[int, int], dtype, out_dtype=None, impl: str = "auto"):
     """x [..., I] @ dequant(w [O, I])^T -> [..., O] in `out_dtype` (default `dtype`), through `impl`; the
-    Pallas path falls back to xla for weights without a whole-block tile."""
+    Pallas path falls back to xla for weights without a whole-block tile, and auto takes it only for decode-sized
+    inputs (`AUTO_MAX_ROWS`)."""
     out_dtype = out_dtype or dtype
-    impl = resolve_impl(impl)
+    rows = math.prod(x_TI.shape[:-1])
+    impl = resolve_impl(impl if impl != "auto" or rows <= AUTO_MAX_ROWS else "xla")
     if impl == "pallas" and tiles(*w_OI.shape, tuple(block)) is None:
         impl = "xla"
     fn = {"reference": reference, "xla": xla, "pallas": pallas}[impl]

@@ -156,3 +156,34 @@ def test_random_release_model_is_built_in_the_release_formats():
     assert host.engram_tables is not None
     np.testing.assert_array_equal(host.logits(np.arange(24)), logits)
     assert dsv41.random_model("tiny").formats == {}  # the test presets keep float weights
+
+
+def test_release_draws_do_not_depend_on_the_worker_count(monkeypatch):
+    """`random_release_params` draws tensors in chunks of rows on worker threads, each chunk from its own seed:
+    one worker and three give the same bytes, chunk boundaries included (a tiny chunk size makes every tensor
+    several chunks); the e4m3 values follow N(0, 16) with no NaN codes, and tensors differ from each other."""
+    import ml_dtypes
+
+    from dsv41 import init
+
+    monkeypatch.setattr(init, "_CHUNK_VALUES", 1000)
+    c = dsv41.load_config("tiny").replace(quantization={"quant_method": "fp8", "weight_block_size": [32, 32]})
+    _, dense = dsv41.abstract_params(c, np.float32, True)
+    from dsv41.checkpoint import release_formats
+
+    _, abstract = dsv41.abstract_params(c, np.float32, True, release_formats(c, list(dense)))
+    one, three = (init.random_release_params(c, abstract, 5, on_host=frozenset(abstract), workers=w) for w in (1, 3))
+    assert one.keys() == three.keys() == abstract.keys()
+    for path in abstract:
+        np.testing.assert_array_equal(one[path].view(np.uint8), three[path].view(np.uint8), err_msg=str(path))
+        assert one[path].shape == abstract[path].shape and one[path].dtype == abstract[path].dtype, path
+    fp8 = [p for p in abstract if abstract[p].dtype == ml_dtypes.float8_e4m3fn]
+    big = max(fp8, key=lambda p: one[p].size)
+    v = one[big].astype(np.float32)
+    assert one[big].size > 4 * 1000 and np.isfinite(v).all()
+    assert abs(v.std() - 4.0) < 0.2 and abs(v.mean()) < 0.2
+    per_chunk = max(1, 1000 // int(np.prod(v.shape[1:])))
+    firsts = v[::per_chunk].reshape(-(-v.shape[0] // per_chunk), -1)
+    assert len(np.unique(firsts, axis=0)) == len(firsts) > 2  # each chunk its own draw, not repeats of one
+    experts = [p for p in abstract if p[-1] == "w1" and abstract[p].dtype == np.uint8]
+    assert experts and np.unique(one[experts[0]]).size > 200  # uniform random MXFP4 code bytes

@@ -28,12 +28,13 @@ from collections.abc import Callable
 import numpy as np
 
 import dsv41
+from pallas_kernels import IMPLS
 from serving.bench.roofline import MatmulProbe, StreamProbe, decode_weight_bytes, prefill_flops
 from serving.engine.profiler import profiling
 from serving.runtime.batch import SeqChunk
 from serving.runtime.config import RuntimeConfig
 from serving.runtime.host_memory import keep_freed_memory
-from serving.runtime.runner import Runner
+from serving.runtime.runner import Runner, enable_compilation_cache
 
 
 def _chunk(r: Runner, slot: int, tokens: list[int], start: int, end: int, trim: bool) -> SeqChunk:
@@ -49,17 +50,20 @@ def _runner(model, args, lengths, bounded: bool) -> Runner:
                        max_model_len=max(max(lengths), args.decode_context + args.decode_steps + 1),
                        block_size=args.block_size, swa_bounded_replay=bounded,
                        token_buckets=tuple(sorted(set(lengths) | set(args.decode_batches)
-                                                  | {args.decode_context, model.config.sliding_window})))
+                                                  | {args.decode_context, model.config.sliding_window})),
+                       kernel_impl=args.kernel_impl)
     return Runner(model, rc, progress=not args.quiet)
 
 
-def _keys(r: Runner, lengths, args, bounded: bool) -> list[tuple]:
+def _keys(r: Runner, lengths, args, decodes: bool) -> list[tuple]:
+    """The buckets the runner's prefills (and, for the runner that `decodes`, the decode steps and their context's
+    prefills) run: nothing else is compiled."""
     W = r.config.sliding_window
     keys = set()
-    for L in list(lengths) + [args.decode_context]:
-        kept = min(L, W) if bounded and r.decoder_replay else L
+    for L in list(lengths) + ([args.decode_context] if decodes else []):
+        kept = min(L, W) if r.rc.swa_bounded_replay and r.decoder_replay else L
         keys |= {("seg1", L), ("seg2", r.buckets.token_bucket(kept))}
-    for B in args.decode_batches:
+    for B in args.decode_batches if decodes else []:
         T = r.buckets.token_bucket(B)
         keys |= {("seg1", T), ("seg2", T)}
     return sorted(keys | {("sample",)})
@@ -137,12 +141,17 @@ def main(argv=None) -> int:
     ap.add_argument("--weights", default="release", choices=("release", "dequantize"),
                     help="a checkpoint's FP8 / MXFP4 weights kept in their formats (decoded by the ops) or decoded "
                          "at load")
+    ap.add_argument("--kernel-impl", default="auto", choices=IMPLS,
+                    help="the fused ops' implementation (auto: Pallas on a GPU, XLA elsewhere)")
+    ap.add_argument("--compilation-cache-dir", default="",
+                    help="JAX's persistent compile cache: a program both runners share compiles once")
     ap.add_argument("--out", default="bench_prefill.json")
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--profile-dir", default=None, help="write a jax.profiler trace of each measurement here")
     args = ap.parse_args(argv)
     if why := keep_freed_memory():  # as the server does (`--keep-host-memory`), before JAX starts
         print(f"host memory returned to the OS after each step ({why})", file=sys.stderr)
+    enable_compilation_cache(args.compilation_cache_dir)
     args.decode_batches = [int(x) for x in args.decode_batches.split(",")]
     lengths = [int(x) for x in args.lengths.split(",")]
     model = (dsv41.random_model(args.model, dtype=args.dtype) if args.model in dsv41.PRESETS
@@ -155,7 +164,7 @@ def main(argv=None) -> int:
     for bounded in (False, True):
         mode = "replay_on" if bounded else "replay_off"
         runners[mode] = r = _runner(model, args, lengths, bounded)
-        result["compile_seconds"][mode] = round(r.precompile(_keys(r, lengths, args, bounded)), 1)
+        result["compile_seconds"][mode] = round(r.precompile(_keys(r, lengths, args, decodes=bounded)), 1)
     for L in lengths:
         runs = {mode: prefill_run(r, L, mode == "replay_on", vocab) for mode, r in runners.items()}
         flops = prefill_flops(model.config, L)

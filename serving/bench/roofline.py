@@ -12,9 +12,10 @@ from __future__ import annotations
 import statistics
 import time
 
-# The matmul probe: a [M, K] x [K, N] dot, large enough to run at the BLAS rate, short enough (~0.1-0.2 s
-# on 2 cores) to take one before every timed run.
+# The probes: a [M, K] x [K, N] dot and a sum over n bytes, large enough to run at the device's rate, short enough
+# to take one before every timed run (~0.1-0.2 s on 2 cores; on a GPU ~1.5 ms and ~1 ms, far past a dispatch).
 M, K, N = 1024, 4096, 4096
+GPU_MKN, GPU_STREAM_BYTES = (8192, 8192, 8192), 1 << 32
 _EXPERT_LEAVES = {"w1", "w2", "w3", "w1_scale", "w2_scale", "w3_scale"}
 
 
@@ -26,7 +27,11 @@ class MatmulProbe:
         import jax
         import jax.numpy as jnp
 
-        self._a, self._b = jnp.ones((M, K), dtype), jnp.ones((K, N), dtype)
+        self.mkn = GPU_MKN if jax.default_backend() == "gpu" else (M, K, N)
+        m, k, n = self.mkn
+        # random operands: an H200 multiplies zeros ~13% faster than real data
+        self._a = jax.random.normal(jax.random.key(0), (m, k), jnp.float32).astype(dtype)
+        self._b = jax.random.normal(jax.random.key(1), (k, n), jnp.float32).astype(dtype)
         precision = jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
         self._dot = jax.jit(lambda a, b: jnp.dot(a, b, precision=precision))
         self._dot(self._a, self._b).block_until_ready()
@@ -34,7 +39,8 @@ class MatmulProbe:
     def __call__(self) -> float:
         t = time.perf_counter()
         self._dot(self._a, self._b).block_until_ready()
-        return 2.0 * M * K * N / (time.perf_counter() - t)
+        m, k, n = self.mkn
+        return 2.0 * m * k * n / (time.perf_counter() - t)
 
 
 def matmul_rate(reps: int = 10, dtype: str = "float32") -> float:
@@ -45,12 +51,13 @@ def matmul_rate(reps: int = 10, dtype: str = "float32") -> float:
 
 class StreamProbe:
     """`probe()` -> this device's streaming rate now, bytes read per second: one timed jitted sum over an
-    `n_bytes` float32 array (compiled and run once when built)."""
+    `n_bytes` float32 array (default 256 MiB, 4 GiB on a GPU; compiled and run once when built)."""
 
-    def __init__(self, n_bytes: int = 1 << 28):
+    def __init__(self, n_bytes: int | None = None):
         import jax
         import jax.numpy as jnp
 
+        n_bytes = n_bytes or (GPU_STREAM_BYTES if jax.default_backend() == "gpu" else 1 << 28)
         self.n_bytes = n_bytes
         self._x = jnp.ones((n_bytes // 4,), jnp.float32)
         self._sum = jax.jit(jnp.sum)
@@ -62,23 +69,29 @@ class StreamProbe:
         return self.n_bytes / (time.perf_counter() - t)
 
 
-def weight_read_rate(n_bytes: int = 1 << 28, reps: int = 10) -> float:
+def weight_read_rate(n_bytes: int | None = None, reps: int = 10) -> float:
     """The median of `reps` streaming probes over `n_bytes`, bytes per second."""
     probe = StreamProbe(n_bytes)
     return statistics.median(probe() for _ in range(reps))
 
 
+def _is_engram_table(path: tuple) -> bool:
+    """An Engram layer's hashed table (its weight or scale rows): gathered a few rows per token, never read whole."""
+    return len(path) >= 4 and path[0] == "layers" and path[2:4] == ("engram", "embed")
+
+
 def prefill_flops(config, n: int) -> float:
     """FLOPs of one n-token prefill from position 0: 2 x the parameters a token activates (attention, shared and
-    k routed experts; no embedding) per token, plus each layer's attention (q.k and p.v over the window and the
-    global rows a query reads: CSA min(k, visible), HCA all visible) and the CSA indexer's scores."""
+    k routed experts; no embedding, and no Engram table: its rows are gathered, not multiplied) per token, plus
+    each layer's attention (q.k and p.v over the window and the global rows a query reads: CSA min(k, visible),
+    HCA all visible) and the CSA indexer's scores."""
     import dsv41
 
     _, shapes = dsv41.abstract_params(config)
     E, k = config.n_routed_experts, config.num_experts_per_tok
     active = 0.0
     for path, a in shapes.items():
-        if path[0] != "layers":
+        if path[0] != "layers" or _is_engram_table(path):
             continue
         size = float(a.size)
         active += size * k / E if "experts" in path else size  # routed experts; shared ones are "shared_experts"
@@ -98,7 +111,8 @@ def prefill_flops(config, n: int) -> float:
 
 def decode_weight_bytes(model, batch: int) -> float:
     """Parameter bytes a decode step of `batch` tokens reads: every backbone weight once, the embedding rows of
-    the batch, and of each layer's routed experts the expected share touched by uniform routing
+    the batch, each Engram layer's hash-column rows of the batch (its table's rows and their scales; at most the
+    table), and of each layer's routed experts the expected share touched by uniform routing
     (E * (1 - (1 - k/E)^batch) of E); the DSpark drafter is not run by a plain decode step."""
     c = model.config
     total = 0.0
@@ -107,6 +121,8 @@ def decode_weight_bytes(model, batch: int) -> float:
             continue
         if path == ("embed", "weight"):
             total += batch * a.nbytes / a.shape[0]
+        elif _is_engram_table(path):
+            total += min(a.nbytes, batch * c.engram_hash_cols * a.nbytes / a.shape[0])
         elif str(path[-1]) in _EXPERT_LEAVES:
             E, k = a.shape[0], c.num_experts_per_tok
             total += a.nbytes * (1 - (1 - k / E) ** batch)

@@ -68,3 +68,20 @@ def test_lowers_for_cuda_at_v41_flash_sizes(T):
     text = lowering.lower_for_cuda(fp8_linear.pallas, x, w, s, block=(32, 32), dtype=jnp.bfloat16,
                                    out_dtype=jnp.bfloat16, interpret=False)
     assert lowering.count_gpu_kernels(text) == 1
+
+
+def test_auto_runs_the_kernel_for_decode_sized_inputs_only(monkeypatch):
+    """On a GPU backend, auto takes the Pallas kernel up to AUTO_MAX_ROWS rows (leading axes multiplied) and XLA's
+    decode + dot above (measured 4.3x faster at 8,192 rows on an H200); explicit impls are obeyed."""
+    import pallas_kernels.dispatch as dispatch
+
+    ran = []
+    monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")
+    for name in ("pallas", "xla"):
+        monkeypatch.setattr(fp8_linear, name, lambda *a, name=name, **k: ran.append(name))
+    w, s = jnp.zeros((64, 64), jnp.uint8), jnp.zeros((2, 2), jnp.uint8)
+    n = fp8_linear.AUTO_MAX_ROWS
+    for shape, impl in (((n, 64), "auto"), ((2, n // 2, 64), "auto"), ((n + 1, 64), "auto"), ((n + 1, 64), "pallas"),
+                        ((1, 64), "xla")):
+        fp8_linear.fp8_linear(jnp.zeros(shape), w, s, block=(32, 32), dtype=jnp.float32, impl=impl)
+    assert ran == ["pallas", "pallas", "xla", "pallas", "xla"]

@@ -9,17 +9,24 @@ from serving.bench.roofline import MatmulProbe, decode_weight_bytes, prefill_flo
 
 
 def test_decode_reads_every_backbone_weight_and_the_touched_share_of_the_experts():
+    """Plus the embedding rows and each Engram layer's hash-column rows of the batch: the tables themselves (12.3 GB
+    of v41-flash-slice's 16.6 GB once counted as read by a batch-1 step) are gathered, never read whole."""
     m = dsv41.random_model("tiny", seed=0)
     c = m.config
     experts = sum(a.nbytes for p, a in m.params.items() if p[0] == "layers" and p[-1] in ("w1", "w2", "w3"))
     dspark = sum(a.nbytes for p, a in m.params.items() if p[0] == "dspark")
     embed = m.params[("embed", "weight")].nbytes
-    rest = m.device_bytes() - experts - dspark - embed
+    tables = [a for p, a in m.params.items() if p[0] == "layers" and p[2:4] == ("engram", "embed")]
+    assert tables and c.engram_hash_cols > 0
+    table_row_bytes = sum(a.nbytes / a.shape[0] for a in tables)
+    rest = m.device_bytes() - experts - dspark - embed - sum(a.nbytes for a in tables)
     one = decode_weight_bytes(m, 1)
     k, E = c.num_experts_per_tok, c.n_routed_experts
-    np.testing.assert_allclose(one, rest + embed / c.vocab_size + experts * k / E, rtol=1e-9)
-    many = decode_weight_bytes(m, 4096)  # every expert touched
-    np.testing.assert_allclose(many, rest + 4096 * embed / c.vocab_size + experts, rtol=1e-6)
+    np.testing.assert_allclose(one, rest + embed / c.vocab_size + c.engram_hash_cols * table_row_bytes
+                               + experts * k / E, rtol=1e-9)
+    many = decode_weight_bytes(m, 4096)  # every expert touched, every table row at most once
+    np.testing.assert_allclose(many, rest + 4096 * embed / c.vocab_size + sum(
+        min(a.nbytes, 4096 * c.engram_hash_cols * a.nbytes / a.shape[0]) for a in tables) + experts, rtol=1e-6)
     assert one < decode_weight_bytes(m, 8) < many
 
 
@@ -42,7 +49,8 @@ def test_prefill_flops_count_the_active_parameters_and_what_the_first_token_atte
     m = dsv41.random_model("tiny", seed=0)
     c = m.config
     scale = c.num_experts_per_tok / c.n_routed_experts
-    active = sum(a.size * (scale if "experts" in p else 1) for p, a in m.params.items() if p[0] == "layers")
+    active = sum(a.size * (scale if "experts" in p else 1) for p, a in m.params.items()
+                 if p[0] == "layers" and p[2:4] != ("engram", "embed"))  # Engram tables: gathered, not multiplied
     H, d = c.num_attention_heads, c.head_dim
     attention = sum(4 * H * d * (1 + (r.compress_ratio == 1))
                     + (r.compress_ratio == 1 and r.is_index_source) * 2 * c.index_n_heads * c.index_head_dim
@@ -62,3 +70,23 @@ def test_alternate_warms_every_mode_then_runs_them_in_turn_each_after_a_probe():
     assert log == [("off", 0), ("on", 0)] + [x for i in (1, 2, 3) for m in ("off", "on") for x in ("probe", (m, i))]
     assert out == {"off": ([0.01, 0.02, 0.03], [0.0, 2.0, 4.0]), "on": ([0.01, 0.02, 0.03], [1.0, 3.0, 5.0])}
     assert alternate(runs, 1)["on"][1] == []  # no probe, no rates
+
+
+def test_only_the_decoding_runner_compiles_decode_buckets():
+    """The replay-off runner only prefills: its buckets are the prompt lengths' (and the sampler), while the
+    replay-on runner adds the decode batches and the decode context's prefill; each is one of the runner's own."""
+    from argparse import Namespace
+
+    from serving.bench.prefill import _keys, _runner
+
+    m = dsv41.random_model("tiny", seed=0)
+    args = Namespace(decode_batches=[1, 4], decode_context=48, decode_steps=2, block_size=16, kernel_impl="xla",
+                     quiet=True)
+    off, on = (_runner(m, args, [64], bounded) for bounded in (False, True))
+    keys_off, keys_on = _keys(off, [64], args, decodes=False), _keys(on, [64], args, decodes=True)
+    assert keys_off == [("sample",), ("seg1", 64), ("seg2", 64)]
+    W = m.config.sliding_window
+    T = {on.buckets.token_bucket(n) for n in (1, 4)}
+    assert {("seg1", t) for t in T | {48, 64}} | {("seg2", t) for t in T | {on.buckets.token_bucket(W)}} \
+        | {("sample",)} == set(keys_on)
+    assert set(keys_on) <= set(on.bucket_keys()) and set(keys_off) <= set(off.bucket_keys())
