@@ -80,26 +80,32 @@ def _is_engram_table(path: tuple) -> bool:
     return len(path) >= 4 and path[0] == "layers" and path[2:4] == ("engram", "embed")
 
 
-def prefill_flops(config, n: int) -> float:
+def prefill_flops(config, n: int, decoder_rows: int | None = None) -> float:
     """FLOPs of one n-token prefill from position 0: 2 x the parameters a token activates (attention, shared and
     k routed experts; no embedding, and no Engram table: its rows are gathered, not multiplied) per token, plus
     each layer's attention (q.k and p.v over the window and the global rows a query reads: CSA min(k, visible),
-    HCA all visible) and the CSA indexer's scores."""
+    HCA all visible) and the CSA indexer's scores. `decoder_rows`: the layers after the CED cut run only the last
+    that many rows (decoder replay: the window), whose window starts at the first of them, the layers up to it all
+    n; None: every layer runs all n."""
     import dsv41
 
     _, shapes = dsv41.abstract_params(config)
     E, k = config.n_routed_experts, config.num_experts_per_tok
-    active = 0.0
+    active = [0.0] * config.num_hidden_layers  # per layer
     for path, a in shapes.items():
         if path[0] != "layers" or _is_engram_table(path):
             continue
         size = float(a.size)
-        active += size * k / E if "experts" in path else size  # routed experts; shared ones are "shared_experts"
-    flops = 2.0 * active * n
+        active[path[1]] += size * k / E if "experts" in path else size  # routed; shared ones are "shared_experts"
     H, d, W = config.num_attention_heads, config.head_dim, config.sliding_window
-    for role in config.roles:
-        for t in range(n):
-            rows = min(t + 1, W)
+    cut = config.cut_layer
+    flops = 0.0
+    for layer, role in enumerate(config.roles):
+        rows_run = n if decoder_rows is None or cut is None or layer <= cut else min(n, decoder_rows)
+        flops += 2.0 * active[layer] * rows_run
+        floor = n - rows_run  # trimmed rows' window starts at the first kept row (decoder_replay.kept_rows)
+        for t in range(floor, n):
+            rows = min(t + 1 - floor, W)
             if role.compress_ratio:
                 visible = (t + 1) // role.compress_ratio
                 rows += visible if role.attn_kind == "hca" else min(config.index_topk, visible)

@@ -90,3 +90,33 @@ def test_only_the_decoding_runner_compiles_decode_buckets():
     assert {("seg1", t) for t in T | {48, 64}} | {("seg2", t) for t in T | {on.buckets.token_bucket(W)}} \
         | {("sample",)} == set(keys_on)
     assert set(keys_on) <= set(on.bucket_keys()) and set(keys_off) <= set(off.bucket_keys())
+
+
+def test_prefill_flops_with_decoder_replay_run_the_layers_after_the_cut_on_the_last_rows():
+    """decoder_rows=r: the layers up to the CED cut count all n rows, the layers after it the last r only, whose
+    window starts at the first of them (so the first kept row sees one window row, as `kept_rows` floors it):
+    equal to the full count when r = n; the difference from it is the decoder layers' dropped rows."""
+    c = dsv41.load_config("tiny")
+    cut, n, W = c.cut_layer, 40, c.sliding_window
+    assert cut is not None and cut < len(c.roles) - 1 and W < n
+    assert prefill_flops(c, n, decoder_rows=n) == prefill_flops(c, n)
+    _, shapes = dsv41.abstract_params(c)
+    scale = c.num_experts_per_tok / c.n_routed_experts
+    decoder_params = sum(a.size * (scale if "experts" in p else 1) for p, a in shapes.items()
+                         if p[0] == "layers" and p[1] > cut and p[2:4] != ("engram", "embed"))
+    H, d = c.num_attention_heads, c.head_dim
+
+    def decoder_attention(t: int, floor: int) -> float:
+        out = 0.0
+        for r in c.roles[cut + 1:]:
+            rows = min(t + 1 - floor, W)
+            if r.compress_ratio:
+                visible = (t + 1) // r.compress_ratio
+                rows += visible if r.attn_kind == "hca" else min(c.index_topk, visible)
+                out += r.is_index_source * 2.0 * c.index_n_heads * c.index_head_dim * visible
+            out += 4.0 * H * d * rows
+        return out
+
+    full = sum(decoder_attention(t, 0) for t in range(n)) + 2.0 * decoder_params * n
+    kept = sum(decoder_attention(t, n - W) for t in range(n - W, n)) + 2.0 * decoder_params * W
+    np.testing.assert_allclose(prefill_flops(c, n) - prefill_flops(c, n, decoder_rows=W), full - kept, rtol=1e-12)
