@@ -57,17 +57,15 @@ DEVICE_FAULTS = ("CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_ILLEGAL_INSTRUCTION",
 SHARED_BYTES = 256e6  # arrays at least this large (expert stacks, caches) are not copied for the rotation
 
 
-def _median_seconds(fn: Callable, arg_sets: list[tuple], reps: int, calls: int = 1) -> float:
-    """Median over `reps` of the seconds per call of `calls` calls dispatched back to back (cycling through
-    `arg_sets`) and waited for once: the device runs them in order, so a kernel shorter than a dispatch is timed
-    as the dispatch (such rows are launch-bound, not kernel-bound)."""
-    for args in arg_sets:
-        jax.block_until_ready(fn(*args))
+def _median_seconds(fn: Callable, args: tuple, reps: int, calls: int = 1) -> float:
+    """Median over `reps` of the seconds per call of `calls` calls dispatched back to back and waited for once: the
+    device runs them in order, so a kernel shorter than a dispatch is timed as the dispatch."""
+    jax.block_until_ready(fn(*args))
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        for i in range(calls):
-            out = fn(*arg_sets[i % len(arg_sets)])
+        for _ in range(calls):
+            out = fn(*args)
         jax.block_until_ready(out)
         times.append((time.perf_counter() - t0) / calls)
     return statistics.median(times)
@@ -87,12 +85,12 @@ def ceilings(smoke: bool, reps: int) -> dict:
     n = 1 << (16 if smoke else 28)
     x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
     copy = jax.jit(lambda a: a + 1.0)
-    bw = 2 * 4 * n / _median_seconds(copy, [(x,)], reps)
+    bw = 2 * 4 * n / _median_seconds(copy, (x,), reps)
     m = 256 if smoke else 8192
     a = jax.random.normal(jax.random.key(1), (m, m), jnp.bfloat16)
     b = jax.random.normal(jax.random.key(2), (m, m), jnp.bfloat16)
     mm = jax.jit(lambda p, q: jnp.dot(p, q, preferred_element_type=jnp.float32))
-    return {"copy_bytes_per_s": bw, "matmul_flops_per_s": 2 * m ** 3 / _median_seconds(mm, [(a, b)], reps)}
+    return {"copy_bytes_per_s": bw, "matmul_flops_per_s": 2 * m ** 3 / _median_seconds(mm, (a, b), reps)}
 
 
 def _attention_case(rng, *, B, ctx, prefill_rows, smoke):
@@ -296,8 +294,8 @@ def _seconds_per_call(fn: Callable, arg_sets: list[tuple], reps: int, calls: int
     with one, `calls` dispatches back to back (cases that large run far longer than a dispatch)."""
     if len(arg_sets) > 1:
         many = jax.jit(lambda sets: [fn(*a) for a in sets])
-        return _median_seconds(many, [(arg_sets,)], reps, calls) / len(arg_sets)
-    return _median_seconds(jax.jit(fn), arg_sets, reps, calls)
+        return _median_seconds(many, (arg_sets,), reps, calls) / len(arg_sets)
+    return _median_seconds(jax.jit(fn), arg_sets[0], reps, calls)
 
 
 def measure(case: Case, reps: int, ceil: dict, calls: int, copies: int | None = None) -> dict:

@@ -5,12 +5,14 @@
 # $OUT (default ./gpu_out; at most 8 files) as soon as it exists, so a run cut short keeps the steps that finished.
 # First run (2026-12-04): the slice's 13 programs compiled cold in 276 s; from JAX's cache in 31 s.
 # Needs a Python with jax's CUDA plugin (the device image's python3 has jax 0.11.2 + cuda13);
-# flax / orbax wheels in .whl/ are installed into /tmp/site first when that Python's are missing or too old.
+# flax / orbax wheels in .whl/ are installed first when that Python's are missing or too old. Scratch files (those
+# wheels, JAX's compile cache, traces) go to $WORK (default: a new temporary folder).
 #   OUT=gpu_out PYTHON=python3 tools/gpu_check.sh
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 PY=${PYTHON:-python3}
-mkdir -p "$OUT"
+WORK=${WORK:-$(mktemp -d)}
+mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
 step() { echo "== $1 ($(date +%T), +$(( $(date +%s) - T0 )) s)" | tee -a "$OUT/steps.log"; }
@@ -19,9 +21,9 @@ step "devices and packages"
 if ! "$PY" -c 'import flax, orbax.checkpoint
 from packaging.version import Version as V
 assert V(flax.__version__) >= V("0.12.8"), flax.__version__' 2>>"$OUT/steps.log" && ls .whl/*.whl >/dev/null 2>&1; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" .whl/*.whl \
         2>&1 | tail -3 | tee -a "$OUT/steps.log"
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    export PYTHONPATH=$WORK/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 "$PY" -c "import jax, jaxlib, flax, numpy; print(jax.devices(), jax.default_backend(), 'jax', jax.__version__,
 'jaxlib', jaxlib.__version__, 'flax', flax.__version__, 'numpy', numpy.__version__)" 2>&1 | tee -a "$OUT/steps.log"
@@ -38,7 +40,7 @@ export XLA_PYTHON_CLIENT_MEM_FRACTION=0.92  # 78 GB of weights and tables, then 
 slice() {  # seconds, kernel impl, JSON path, extra flags: the bench's table and progress appended to slice.txt
     echo "-- $3 --kernel-impl $2 $4" >> "$OUT/slice.txt"
     timeout -k 5 "$1" "$PY" -m serving.bench.prefill --model v41-flash-slice --dtype bfloat16 --lengths 8192 \
-        --block-size 256 --decode-context 1024 --compilation-cache-dir /tmp/jax_cache --kernel-impl "$2" $4 \
+        --block-size 256 --decode-context 1024 --compilation-cache-dir "$WORK/jax_cache" --kernel-impl "$2" $4 \
         --out "$3" 2>&1 | tr '\r' '\n' | grep -v "pinned host\|Source Location\|cuda_host_allocator\|^)$" \
         | tee -a "$OUT/slice.txt"
     return "${PIPESTATUS[0]}"
@@ -54,13 +56,14 @@ if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$left" -gt 120 ]; then
 fi
 
 step "where the slice's time goes: a traced 8K prefill per mode and decode at batch 1 / 64 (programs from the cache)"
-slice "${PROFILE_S:-100}" auto /tmp/slice_profiled.json \
-    "--repeats 1 --decode-batches 1,64 --decode-steps 3 --profile-dir /tmp/prof"
+slice "${PROFILE_S:-100}" auto "$WORK/slice_profiled.json" \
+    "--repeats 1 --decode-batches 1,64 --decode-steps 3 --profile-dir $WORK/prof"
 echo "rc $?" | tee -a "$OUT/steps.log"
-"$PY" - > "$OUT/slice_profile.txt" 2>&1 <<'PY'
+"$PY" - "$WORK/prof" > "$OUT/slice_profile.txt" 2>&1 <<'PY'
+import sys
 from pathlib import Path
 from serving.engine.trace_report import format_report, read_trace
-for run in sorted(p for p in Path("/tmp/prof").glob("*") if p.is_dir()):
+for run in sorted(p for p in Path(sys.argv[1]).glob("*") if p.is_dir()):
     try:
         print(format_report(read_trace(run), top=25), "\n")
     except Exception as e:  # the report was written for XLA:CPU traces: say what a GPU trace lacks

@@ -58,11 +58,9 @@ def _runner(model, args, lengths, bounded: bool) -> Runner:
 def _keys(r: Runner, lengths, args, decodes: bool) -> list[tuple]:
     """The buckets the runner's prefills (and, for the runner that `decodes`, the decode steps and their context's
     prefills) run: nothing else is compiled."""
-    W = r.config.sliding_window
     keys = set()
     for L in list(lengths) + ([args.decode_context] if decodes else []):
-        kept = min(L, W) if r.rc.swa_bounded_replay and r.decoder_replay else L
-        keys |= {("seg1", L), ("seg2", r.buckets.token_bucket(kept))}
+        keys |= {("seg1", L), ("seg2", r.buckets.token_bucket(min(L, _decoder_rows(r) or L)))}
     for B in args.decode_batches if decodes else []:
         T = r.buckets.token_bucket(B)
         keys |= {("seg1", T), ("seg2", T)}
@@ -81,11 +79,14 @@ def prefill_run(r: Runner, L: int, bounded: bool, vocab: int) -> Callable[[int],
     return run
 
 
+def _decoder_rows(r: Runner) -> int | None:
+    """The rows of a prefill the layers after the CED cut run on `r` (decoder replay: the last window); None: all."""
+    return r.config.sliding_window if r.rc.swa_bounded_replay and r.decoder_replay else None
+
+
 def mode_flops(r: Runner, L: int) -> float:
-    """FLOPs an L-token prefill runs on `r`: with decoder replay the layers after the CED cut run the last window
-    rows only."""
-    trimmed = r.rc.swa_bounded_replay and r.decoder_replay
-    return prefill_flops(r.config, L, decoder_rows=r.config.sliding_window if trimmed else None)
+    """FLOPs an L-token prefill runs on `r` (`prefill_flops` with its decoder rows)."""
+    return prefill_flops(r.config, L, decoder_rows=_decoder_rows(r))
 
 
 def alternate(runs: dict[str, Callable[[int], float]], repeats: int,
