@@ -3,12 +3,15 @@ compressed-token map, and the gated write."""
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from dsv41.config import ModelConfig
-from dsv41.layers.engram import Engram, EngramLayout, build_compressed_token_map, engram_primes, hash_multipliers
+from dsv41.layers.engram import (Engram, EngramLayout, build_compressed_token_map, engram_primes, hash_multipliers,
+                                 ngram_windows)
 
 
 def test_full_config_table_sizes_and_primes():
@@ -54,6 +57,23 @@ def test_hash_ids_match_spec_pseudocode_with_real_layer_ids():
     assert np.all(got < layout.rows[None, :, None]) and np.all(got >= 0)
     # Hashing a suffix (start > 0) uses the same look-back as the full sequence.
     np.testing.assert_array_equal(layout.hash_ids(ids, token_map, start=5), got[5:])
+
+
+@pytest.mark.parametrize("preset", ["v41-flash", "tiny"])
+def test_device_hash_of_a_pending_token_matches_the_host_hash(preset):
+    """Async scheduling: the host's look-back and the device's finish (32-bit, jitted) give `hash_ids` of the row
+    whose token the host has not seen, at every position from 0 (look-back into the padding) on. The full-size
+    layout's 24-bit primes and 46-bit multipliers exercise every digit of the uint32 reduction."""
+    c = ModelConfig.preset(preset)
+    layout = EngramLayout.from_config(c)
+    rng = np.random.default_rng(1)
+    token_map = rng.integers(0, c.engram_compressed_vocab_size, c.vocab_size)
+    terms = layout.token_terms(token_map)
+    ids = rng.integers(0, c.vocab_size, 10)
+    want = layout.hash_ids(ids, token_map)
+    look = layout.look_back(ngram_windows(ids, 0, c.engram_max_ngram_size)[:, 1:], token_map)
+    got = jax.jit(layout.device_hash_ids)(terms[ids], look)
+    np.testing.assert_array_equal(np.asarray(got), want)
 
 
 def test_compressed_token_map(tmp_path):

@@ -2,7 +2,9 @@
 
 Host side (NumPy, int64): every token id maps to a compressed id (normalized text); the 2..max-gram
 ending at each position are hashed (rolling XOR of compressed id x per-layer odd multiplier) into
-prime-sized bucket ranges, `n_heads` per n-gram order, giving `(max_ngram - 1) * n_heads` row ids.
+prime-sized bucket ranges, `n_heads` per n-gram order, giving `(max_ngram - 1) * n_heads` row ids. A row whose
+token is still on the device (async scheduling) gets its ids there, from the host's look-back (`look_back`,
+`device_hash_ids`).
 Device side (`Engram`): look the rows up in the FP8 table (1x32 UE8M0 scales), project them with `wkv`
 to one key per stream plus a shared value, and add the value to each stream through a signed-sqrt
 sigmoid gate that compares the stream with its key.
@@ -101,23 +103,80 @@ class EngramLayout:
     def hash_ids(self, token_ids: np.ndarray, token_map: np.ndarray, start: int = 0) -> np.ndarray:
         """Table row ids [T - start, n_layers, (max_ngram - 1) * n_heads] (int32) for positions start..T-1
         of the sequence `token_ids` (positions 0..T-1). Look-back past position 0 is padded."""
-        ids = np.asarray(token_ids, np.int64)
-        comp = np.asarray(token_map, np.int64)[ids]
-        pad = np.int64(token_map[self.pad_token_id])
-        pos = np.arange(start, len(ids))
-        out = np.empty((len(pos), len(self.layer_ids), (self.max_ngram - 1) * self.n_heads), np.int64)
-        for li in range(len(self.layer_ids)):
-            rolling = np.zeros(len(pos), np.int64)
-            blocked = np.zeros(len(pos), bool)
-            for s in range(self.max_ngram):
-                src = pos - s
-                blocked |= src < 0
-                v = np.where(blocked, pad, comp[np.maximum(src, 0)])
-                rolling ^= v * self.multipliers[li, s]  # cannot overflow: bound chosen from the vocab
-                if s >= 1:
-                    cols = slice((s - 1) * self.n_heads, s * self.n_heads)
-                    out[:, li, cols] = rolling[:, None] % self.primes[li, cols] + self.offsets[li, cols]
-        return out.astype(np.int32)
+        return self.hash_windows(ngram_windows(token_ids, start, self.max_ngram), token_map)
+
+    def hash_windows(self, windows_NK: np.ndarray, token_map: np.ndarray) -> np.ndarray:
+        """Row ids [N, n_layers, (max_ngram - 1) * n_heads] (int32) of N rows from their n-gram windows [N, max_ngram]
+        (`ngram_windows`: column s the token s positions back, -1 before position 0), in one vectorized pass: a
+        step hashes all its rows at once."""
+        L, S, H = len(self.layer_ids), self.max_ngram - 1, self.n_heads
+        rolling = np.bitwise_xor.accumulate(self._terms(windows_NK, token_map, self.multipliers), axis=2)
+        out = rolling[:, :, 1:, None] % self.primes.reshape(L, S, H) + self.offsets.reshape(L, S, H)
+        return out.reshape(len(windows_NK), L, S * H).astype(np.int32)
+
+    def _terms(self, windows: np.ndarray, token_map: np.ndarray, multipliers: np.ndarray) -> np.ndarray:
+        """[N, n_layers, k] int64: each window token's compressed id (pad before position 0) x its multiplier
+        (cannot overflow: the multipliers' bound is chosen from the compressed vocab)."""
+        w = np.asarray(windows, np.int64)
+        comp = np.asarray(token_map, np.int64)
+        c = np.where(w < 0, comp[self.pad_token_id], comp[np.maximum(w, 0)])
+        return c[:, None, :] * multipliers[None, :, :]
+
+    # Async scheduling dispatches a step before the host has seen the token its decode rows read, so such a
+    # row's hash ids are finished on the device. Its column of order s is (term XOR look_back_s) % prime +
+    # offset: `token_terms` holds every token's term (its compressed id x the order-0 multiplier), the host
+    # computes the look-back (the XOR of the earlier tokens' terms), the device the rest. XLA runs without
+    # 64-bit types here, so both travel as (lo, hi) int32 pairs and the device reduces them in uint32.
+    def token_terms(self, token_map: np.ndarray) -> np.ndarray:
+        """[V, n_layers, 2] int32: each token id's 64-bit order-0 term, as (lo, hi) halves."""
+        comp = np.asarray(token_map, np.int64)
+        return _lo_hi(comp[:, None] * self.multipliers[None, :, 0])
+
+    def look_back(self, back_NS: np.ndarray, token_map: np.ndarray) -> np.ndarray:
+        """[N, n_layers, max_ngram - 1, 2] int32 (lo, hi): for N rows whose own token is not known yet, per
+        n-gram order s the XOR of the terms of the tokens 1 .. s back. `back_NS`: their windows without column 0
+        (`ngram_windows(...)[:, 1:]`)."""
+        return _lo_hi(np.bitwise_xor.accumulate(self._terms(back_NS, token_map, self.multipliers[:, 1:]), axis=2))
+
+    def device_hash_ids(self, term_L2: jax.Array, look_back_LS2: jax.Array) -> jax.Array:
+        """Hash ids [..., n_layers, (max_ngram - 1) * n_heads] (int32, as `hash_ids`) of rows from their token's
+        term [..., n_layers, 2] and look-back [..., n_layers, max_ngram - 1, 2] (traceable, 32-bit only)."""
+        L, S, H = len(self.layer_ids), self.max_ngram - 1, self.n_heads
+        if int(self.rows.max()) >= 2 ** 31:
+            raise ValueError(f"Engram tables of {int(self.rows.max())} rows do not fit int32 row ids")
+        u32 = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint32)  # noqa: E731
+        x = u32(term_L2)[..., None, :] ^ u32(look_back_LS2)  # [..., L, S, 2]
+        primes = jnp.asarray(self.primes.reshape(L, S, H), jnp.uint32)
+        r = _mod_u64(x[..., 0, None], x[..., 1, None], primes, 32 - int(self.primes.max()).bit_length())
+        ids = r.astype(jnp.int32) + jnp.asarray(self.offsets.reshape(L, S, H), jnp.int32)
+        return ids.reshape(*ids.shape[:-2], S * H)
+
+
+def ngram_windows(token_ids: np.ndarray, start: int, k: int) -> np.ndarray:
+    """[T - start, k] int64 token ids: row i, column s = the token s positions before position start + i of the
+    sequence `token_ids` (positions 0..T-1), -1 before position 0."""
+    src = np.arange(start, len(token_ids))[:, None] - np.arange(k)[None, :]
+    return np.where(src >= 0, np.asarray(token_ids, np.int64)[np.maximum(src, 0)], -1)
+
+
+def _lo_hi(a: np.ndarray) -> np.ndarray:
+    """int64 [...] -> int32 [..., 2] (low, high 32 bits)."""
+    u = np.asarray(a, np.int64).view(np.uint64)
+    return np.stack([u & 0xFFFFFFFF, u >> 32], axis=-1).astype(np.uint32).view(np.int32)
+
+
+def _mod_u64(lo: jax.Array, hi: jax.Array, q: jax.Array, digit_bits: int) -> jax.Array:
+    """(hi * 2**32 + lo) % q in uint32, for q < 2**(32 - digit_bits): Horner's rule over `digit_bits`-bit digits of
+    lo keeps every intermediate below 2**32."""
+    if digit_bits < 1:
+        raise ValueError("Engram primes must be below 2**31 for the device hash")
+    r, done = hi % q, 0
+    while done < 32:
+        w = min(digit_bits, 32 - done)
+        digit = (lo >> np.uint32(32 - done - w)) & np.uint32((1 << w) - 1)
+        r = ((r << np.uint32(w)) | digit) % q
+        done += w
+    return r
 
 
 # ==================================================================== compressed token map

@@ -16,8 +16,10 @@ n + 1 is scheduled and dispatched before step n is collected. Each request that 
 token (`Request.num_pending`); its row in step n + 1 reads that token from step n's sampled tokens on the device
 (`SeqChunk.pending_row`), so the host's scheduling, batch building and dispatch overlap the device's work. A length
 limit is known in advance (no row follows the last token); a token finish (EOS, a stop id) drops the row already
-dispatched, as a stop string does. Outputs are the same as step by step. It needs one device, no speculative
-decoding, EPLB or Engram (V4.1's Engram hashes the tokens on the host); elsewhere steps go one at a time.
+dispatched, as a stop string does. Outputs are the same as step by step. V4.1's Engram hash ids of such a row are
+finished on the device from the host's look-back (`dsv41.layers.engram`). It needs one device, no speculative
+decoding, EPLB or Engram tables in host memory (their rows are gathered by the host); elsewhere steps go one at a
+time.
 """
 
 from __future__ import annotations

@@ -10,10 +10,11 @@ from what the scheduler already knows (positions, slots, block tables): the devi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from dsv41.layers.engram import EngramLayout, ngram_windows
 from pallas_kernels.tiles import max_tiles, plan_tiles
 from serving.runtime.decoder_replay import kept_rows
 from serving.runtime.step import INDEX_RATIOS, KeptRows, Requests, Rows, StepBatch
@@ -66,6 +67,20 @@ class SeqChunk:
                 + list(self.draft_ids[max(lo - k, 0):max(hi - k, 0)]))
 
 
+class EngramHashing(NamedTuple):
+    """A V4.1 model's Engram hashing on the host: the layout and the token -> compressed id map."""
+
+    layout: EngramLayout
+    token_map: np.ndarray
+
+    def windows(self, ch: SeqChunk) -> np.ndarray:
+        """The n-gram windows [q, max_ngram] of the chunk's rows (a pending token reads as 0: the device finishes
+        that row's ids). The look-back reaches max_ngram - 1 tokens before the chunk, so only those and the chunk
+        are read: a decode step costs O(1), not O(context)."""
+        lo = max(0, ch.start - (self.layout.max_ngram - 1))
+        return ngram_windows(ch.tokens(lo, ch.end), ch.start - lo, self.layout.max_ngram)
+
+
 @dataclass(frozen=True)
 class Buckets:
     """Padded shapes: token counts, from which tile counts derive; request arrays have a fixed size."""
@@ -107,11 +122,10 @@ def token_ladder(max_tokens: int, window: int, smallest: int = 1) -> tuple[int, 
 
 
 def build_step(chunks: Sequence[SeqChunk], buckets: Buckets, *, max_blocks: int, window: int, block_size: int,
-               engram_hashes: Callable[[SeqChunk], np.ndarray] | None = None, engram_row_shape: tuple[int, ...] = (),
-               token_bucket: int | None = None, kept_bucket: int | None = None, verify_rows: int = 1,
-               decoder_replay: bool = True) -> StepBatch:
+               engram: EngramHashing | None = None, token_bucket: int | None = None, kept_bucket: int | None = None,
+               verify_rows: int = 1, decoder_replay: bool = True) -> StepBatch:
     """One rank's step as NumPy arrays; buckets may be forced (ahead-of-time compilation builds example
-    batches of each shape). `engram_hashes(chunk)`: the chunk's Engram hash ids [q, *engram_row_shape].
+    batches of each shape). `engram`: the model's Engram hashing (None: no Engram).
     `verify_rows` J > 1 (speculative decoding): logits rows [R, J], a chunk's last 1 + num_draft kept rows.
     `decoder_replay` False (a model without a CED cut): no chunk is trimmed, whatever it asks."""
     R = buckets.max_num_seqs
@@ -126,7 +140,7 @@ def build_step(chunks: Sequence[SeqChunk], buckets: Buckets, *, max_blocks: int,
     ids, pos, req, valid, prev = i32(T), i32(T), i32(T), np.zeros(T, bool), np.full(T, -1, np.int32)
     kept_idx: list[int] = []
     next_ids: list[int] = []
-    hashes = []
+    windows, pending = [], []  # Engram: every row's n-gram window; (request, row) of each pending token
     f = 0
     for r, ch in enumerate(chunks):
         if not 0 <= ch.start < ch.end <= ch.num_known + len(ch.draft_ids):
@@ -146,6 +160,7 @@ def build_step(chunks: Sequence[SeqChunk], buckets: Buckets, *, max_blocks: int,
             if ch.end != ch.num_known or ch.num_draft:
                 raise ValueError(f"request in slot {ch.slot}: a pending token must be the chunk's last position")
             prev[f + q - 1] = ch.pending_row
+            pending.append((r, f + q - 1))
         pos[sl] = np.arange(ch.start, ch.end)
         req[sl], valid[sl] = r, True
         keep, dec_floor[r] = kept_rows(q, ch.end, ch.kv_floor, window, ch.trims and decoder_replay)
@@ -162,18 +177,23 @@ def build_step(chunks: Sequence[SeqChunk], buckets: Buckets, *, max_blocks: int,
         first[r], qlen[r] = f, q
         kv_floor[r], write_floor[r] = ch.kv_floor, ch.write_floor
         block_table[r, : len(ch.block_table)] = ch.block_table
-        if engram_hashes is not None:
-            hashes.append(engram_hashes(ch))
+        if engram is not None:
+            windows.append(engram.windows(ch))
         f += q
-    engram = None
-    if engram_hashes is not None:
-        engram = np.zeros((T, *engram_row_shape), np.int32)
-        if hashes:
-            h = np.concatenate(hashes)
-            engram[: len(h)] = h
+    hash_ids = look_back = None
+    if engram is not None:
+        eg = engram.layout
+        L, S = len(eg.layer_ids), eg.max_ngram - 1
+        hash_ids, look_back = np.zeros((T, L, S * eg.n_heads), np.int32), np.zeros((R, L, S, 2), np.int32)
+        if windows:
+            w = np.concatenate(windows)
+            hash_ids[: len(w)] = eg.hash_windows(w, engram.token_map)
+        if pending:
+            req_p, row_p = np.array(pending).T
+            look_back[req_p] = eg.look_back(w[row_p, 1:], engram.token_map)
     n = len(chunks)
     query_tiles = plan_tiles(first[:n], qlen[:n], buckets.tile_size(T), buckets.tiles(T))
-    rows = Rows(ids, pos, req, valid, first, qlen, query_tiles, engram, prev)
+    rows = Rows(ids, pos, req, valid, first, qlen, query_tiles, hash_ids, prev, look_back)
     K = kept_bucket or buckets.token_bucket(len(kept_idx))
     pad = K - len(kept_idx)
     kept_tiles = plan_tiles(kept_first[:n], kept_qlen[:n], buckets.tile_size(K), buckets.tiles(K))

@@ -33,7 +33,7 @@ import dsv41
 from dsv41.layers.moe import set_kernel_impl, set_small_steps
 from serving.runtime import exe_cache, kv_cache, segments, spec_step
 from serving.runtime.config import RuntimeConfig
-from serving.runtime.batch import Buckets, SeqChunk, build_step, token_ladder
+from serving.runtime.batch import Buckets, EngramHashing, SeqChunk, build_step, token_ladder
 from serving.runtime.step import KeptRows, PackedBatch, StepBatch, unpacked
 from serving.runtime.decoder_replay import kept_rows
 from serving.runtime.encoder_replay import replay_length
@@ -153,10 +153,10 @@ class Runner:
         self.expert_counts = expert_counts
         kw = dict(fake_quant=rc.fake_quant, expert_counts=expert_counts)
 
-        def seg1(leaves, cache, carry_buf, b, prev_tokens=None):  # one rank's cache, carry and batch
+        def seg1(leaves, cache, carry_buf, b, prev_tokens=None, engram_terms=None):  # one rank's cache, carry, batch
             with jax.named_scope("segment1"):
                 return segments.segment1(merge(leaves), self.layout, cache, carry_buf, unpacked(b),
-                                         prev_tokens=prev_tokens, **kw)
+                                         prev_tokens=prev_tokens, engram_terms=engram_terms, **kw)
 
         def seg2(leaves, cache, carry_buf, b):
             with jax.named_scope("segment2"):
@@ -191,7 +191,10 @@ class Runner:
         else:
             self.carry_buf = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), spec)
             # segment 1 takes the previous step's sampled tokens (async scheduling; zeros when no row reads them)
+            # and, with Engram hash ids, every token's hash term (the device finishes a pending row's ids)
             self._no_prev = jnp.zeros(rc.max_num_seqs, jnp.int32)
+            self._engram_terms = (() if model.engram is None or model.engram_tables is not None
+                                  else (jnp.asarray(model.engram.token_terms(model.token_map)),))
             self._fns = {"seg1": jax.jit(_named(_one_rank(seg1), "segment1"), donate_argnums=(1, 2)),
                          "seg2": jax.jit(_named(_one_rank(seg2), "segment2"), donate_argnums=1),
                          "sample": jax.jit(sample_fn)}
@@ -224,15 +227,14 @@ class Runner:
         return self._build([ch], token_bucket=T, kept_bucket=T2)[0]
 
     def _build_rank(self, chunks: Sequence[SeqChunk], **forced) -> StepBatch:
-        eg = self.model.engram
-        engram = {} if eg is None else {"engram_hashes": self._engram_hashes,
-                                        "engram_row_shape": (len(eg.layer_ids), (eg.max_ngram - 1) * eg.n_heads)}
+        engram = None if self.model.engram is None else EngramHashing(self.model.engram, self.model.token_map)
         batch = build_step(chunks, self.buckets, max_blocks=self.max_blocks, window=self.config.sliding_window,
                            block_size=self.layout.block_size, verify_rows=self.verify_rows,
-                           decoder_replay=self.decoder_replay, **engram, **forced)
+                           decoder_replay=self.decoder_replay, engram=engram, **forced)
         if self.model.engram_tables is not None:  # host tables: the step carries its rows, not their ids
             rows = self.model.engram_tables.gather(batch.rows.engram_TEc, valid=batch.rows.valid_T)  # no padding
-            batch = dataclasses.replace(batch, rows=dataclasses.replace(batch.rows, engram_TEc=rows))
+            batch = dataclasses.replace(batch, rows=dataclasses.replace(batch.rows, engram_TEc=rows,
+                                                                        engram_look_back_RLS2=None))
         return batch
 
     def _build(self, chunks: Sequence[SeqChunk], token_bucket: int | None = None, kept_bucket: int | None = None
@@ -256,12 +258,6 @@ class Runner:
         batch = jax.tree.map(lambda *a: np.stack(a), *built)
         rows = np.array([r * self.rc.max_num_seqs + j for r, j in where], np.int32)
         return batch, rows, where
-
-    def _engram_hashes(self, ch: SeqChunk) -> np.ndarray:
-        """Hash ids of the chunk's rows; the look-back reaches (max_ngram - 1) tokens before the chunk, so
-        only those and the chunk are hashed (a decode step costs O(1), not O(context))."""
-        lo = max(0, ch.start - (self.model.engram.max_ngram - 1))
-        return self.model.engram.hash_ids(np.asarray(ch.tokens(lo, ch.end)), self.model.token_map, ch.start - lo)
 
     def _compile(self, key: tuple, fn: str, *args) -> None:
         t = time.perf_counter()
@@ -454,17 +450,17 @@ class Runner:
         """Why a step cannot be launched before the previous one is collected, its rows reading that step's sampled
         tokens on the device (`SeqChunk.pending_row`); None when it can."""
         return ("a device mesh" if self.placement is not None else "speculative decoding" if self.spec
-                else "Engram hashes the tokens on the host" if self.model.engram is not None else None)
+                else "Engram tables in host memory" if self.model.engram_tables is not None else None)
 
     @property
     def supports_async(self) -> bool:
         return self.async_blocker is None
 
     def _prev_arg(self, prev: LaunchedStep | None = None) -> tuple:
-        """Segment 1's previous-tokens argument (one device only; a mesh's segment 1 takes none)."""
+        """Segment 1's previous-tokens arguments (one device only; a mesh's segment 1 takes none)."""
         if self.placement is not None:
             return ()
-        return (self._no_prev if prev is None else prev.sampled[0],)
+        return (self._no_prev if prev is None else prev.sampled[0], *self._engram_terms)
 
     def _segments(self, chunks: Sequence[SeqChunk], built=None, prev: LaunchedStep | None = None) -> _Segments:
         with jax.profiler.TraceAnnotation("runner.build"):
@@ -492,7 +488,7 @@ class Runner:
         `pending_row` read (async scheduling, `supports_async`)."""
         if any(ch.pending_row >= 0 for ch in chunks) and (prev is None or not self.supports_async):
             raise ValueError("chunks with a pending token need the previous launched step (async scheduling: one "
-                             "device, no speculative decoding, no Engram)")
+                             "device, no speculative decoding, no Engram tables in host memory)")
         if self.spec:
             return self._launch_speculative(chunks, params, banned)
         seg = self._segments(chunks, prev=prev)

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from dsv41.block import Streams, attention_input, ffn_and_output, final_streams, mean_stream
 from dsv41.layers import expert_load
+from dsv41.layers.engram import EngramLayout
 from dsv41.layers.mhc import hc_collapse
 from dsv41.layers.rope import inv_freq, rope_angles
 from pallas_kernels.sparse_attention import AttnMeta
@@ -38,7 +39,7 @@ from serving.runtime.attention import sparse_attention, write_ring
 from serving.runtime.decoder_replay import gather_kept
 from serving.runtime.kv_cache import CacheLayout
 from serving.runtime.sampling_params import MAX_LOGPROBS
-from serving.runtime.step import INDEX_RATIOS, SegmentCarry, StepBatch
+from serving.runtime.step import INDEX_RATIOS, Rows, SegmentCarry, StepBatch
 
 
 class _RowView(NamedTuple):
@@ -129,6 +130,16 @@ def _counts(on: bool, choices: list[jax.Array], valid_T: jax.Array, module) -> j
     return jnp.stack([expert_load.expert_counts(sel, valid_T, E) for sel in choices])
 
 
+def _pending_hash_ids(c, rows: Rows, terms_VL2: jax.Array) -> jax.Array:
+    """rows.engram_TEc with each pending row's hash ids (a request's last row, its token just substituted) finished
+    from the token's term and the host's look-back."""
+    T = rows.ids_T.shape[0]
+    last_R = jnp.clip(rows.first_R + rows.qlen_R - 1, 0, T - 1)
+    pending_R = (rows.qlen_R > 0) & (rows.prev_T[last_R] >= 0)
+    ids_RLC = EngramLayout.from_config(c).device_hash_ids(terms_VL2[rows.ids_T[last_R]], rows.engram_look_back_RLS2)
+    return rows.engram_TEc.at[jnp.where(pending_R, last_R, T)].set(ids_RLC, mode="drop")
+
+
 def split_layer(c) -> int:
     """The layer the two segments share: V4.1's CED cut; V4 (no cut, every row runs every layer, nothing is
     trimmed) its last layer, so both families run the same two functions."""
@@ -136,17 +147,20 @@ def split_layer(c) -> int:
 
 
 def segment1(module, layout: CacheLayout, cache: dict, carry_buf: SegmentCarry | None, batch: StepBatch, *,
-             fake_quant: bool, expert_counts: bool = False, prev_tokens: jax.Array | None = None
-             ) -> tuple[dict, SegmentCarry, jax.Array | None]:
+             fake_quant: bool, expert_counts: bool = False, prev_tokens: jax.Array | None = None,
+             engram_terms: jax.Array | None = None) -> tuple[dict, SegmentCarry, jax.Array | None]:
     """(cache, the carry rows in `carry_buf`, expert counts of layers 0 .. cut-1 [cut, E] or None).
     `prev_tokens`: the previous step's sampled tokens, read by the rows whose `rows.prev_T` names one of them (async
-    scheduling: the host has not seen those tokens yet)."""
+    scheduling: the host has not seen those tokens yet). `engram_terms` [V, L, 2]: every token's Engram hash term,
+    from which those rows' hash ids are finished (`EngramLayout.token_terms`)."""
     c, cut = layout.config, split_layer(layout.config)
     rows, req = batch.rows, batch.requests
     if prev_tokens is not None:
         ids = jnp.where(rows.prev_T >= 0, prev_tokens[jnp.maximum(rows.prev_T, 0)].astype(rows.ids_T.dtype),
                         rows.ids_T)
         rows = dataclasses.replace(rows, ids_T=ids)
+        if engram_terms is not None:
+            rows = dataclasses.replace(rows, engram_TEc=_pending_hash_ids(c, rows, engram_terms))
     at = _RowView(rows.pos_T, rows.req_T, rows.valid_T, rows.tiles, req.kv_floor_R)
     layers = _Layers(layout, batch, fake_quant)
     e = module.embed(rows.ids_T)

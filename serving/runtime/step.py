@@ -66,6 +66,9 @@ class Rows:
     # async scheduling: the previous step's sampled-token row holding the row's token (ids_T has a placeholder
     # there), -1 for a row whose id is in ids_T
     prev_T: jax.Array
+    # async scheduling with Engram hash ids: per request, its pending row's look-back [R, engram layers,
+    # max_ngram - 1, (lo, hi)] (dsv41.layers.engram: the device finishes that row's ids); None without them
+    engram_look_back_RLS2: jax.Array | None = None
 
 
 @_pytree

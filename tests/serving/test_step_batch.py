@@ -149,3 +149,26 @@ def test_a_pending_token_names_the_previous_steps_row(chunks):
     assert (known.prev_T == -1).all() and known.ids_T[20] == toks[30]
     with pytest.raises(ValueError, match="pending token must be the chunk's last position"):
         _step([SeqChunk(slot=0, block_table=[0], token_ids=[1, 2], start=0, end=2, pending_row=0)])
+
+
+def test_engram_ids_of_a_step_are_each_sequences_hash_ids():
+    """V4.1: a step hashes all its rows at once; each chunk's rows get the ids its whole sequence hashes to (a chunk
+    starting mid-sequence looks back into tokens it does not compute, a short prompt into the padding), and a
+    pending row gets its look-back instead (its ids are finished on the device), the others zeros."""
+    from dsv41.config import ModelConfig
+    from dsv41.layers.engram import EngramLayout, ngram_windows
+    from serving.runtime.batch import EngramHashing
+
+    c = ModelConfig.preset("tiny")
+    layout, token_map = EngramLayout.from_config(c), np.random.default_rng(0).integers(0, 500, c.vocab_size)
+    toks = [_tokens(20, 1), _tokens(31, 2), _tokens(2, 3)]
+    chunks = [SeqChunk(slot=2, block_table=[5, 1, 7], token_ids=toks[0], start=12, end=20),
+              SeqChunk(slot=0, block_table=[3, 4, 6, 0, 2], token_ids=toks[1][:30], start=30, end=31, pending_row=1),
+              SeqChunk(slot=1, block_table=[2], token_ids=toks[2], start=0, end=2)]
+    rows = _step(chunks, engram=EngramHashing(layout, token_map)).rows
+    np.testing.assert_array_equal(rows.engram_TEc[:8], layout.hash_ids(toks[0], token_map, start=12))
+    np.testing.assert_array_equal(rows.engram_TEc[9:11], layout.hash_ids(toks[2], token_map))
+    assert not rows.engram_TEc[11:].any()
+    want = layout.look_back(ngram_windows(toks[1], 30, c.engram_max_ngram_size)[:, 1:], token_map)
+    np.testing.assert_array_equal(rows.engram_look_back_RLS2[1], want[0])
+    assert not rows.engram_look_back_RLS2[[0, 2, 3]].any()

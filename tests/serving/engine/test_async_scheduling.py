@@ -2,7 +2,7 @@
 step is scheduled and dispatched before the previous one is collected, its decode rows reading that step's tokens
 on the device. The tokens, logprobs and finishes are the step-by-step engine's, under concurrency, preemption, a
 token finish with a row already dispatched (stop ids, EOS), a length limit and an abort; every block comes back.
-The V4.1 presets carry Engram, whose hash ids the host computes from the tokens: they step one at a time."""
+V4.1 (Engram ids finished on the device) is tested in tests/serving/engine/test_engine.py."""
 
 import dataclasses
 
@@ -145,16 +145,17 @@ def test_the_next_step_is_dispatched_before_the_previous_is_collected(engine, mo
 
 
 def test_what_turns_async_scheduling_off(model, engine, monkeypatch):
-    """The banner line, and the reasons: the flag, EPLB, and a model whose Engram ids the host hashes."""
+    """The banner line, and the reasons: the flag, EPLB, and Engram tables in host memory (the host gathers a
+    step's rows by their hash ids)."""
     from serving.engine.engine import async_blocker
 
     assert engine.scheduling_summary().startswith("async") and async_blocker(engine.args, engine.runner, False) is None
     off = dataclasses.replace(engine.args, scheduler=dataclasses.replace(engine.args.scheduler, async_scheduling=False))
     assert async_blocker(off, engine.runner, False) == "--no-async-scheduling"
     assert async_blocker(engine.args, engine.runner, True) == "EPLB"
-    monkeypatch.setattr(model, "engram", object())  # a V4.1 model: its Engram ids are hashed on the host
+    monkeypatch.setattr(model, "engram_tables", object())  # `--engram-cpu-offload`
     assert not engine.runner.supports_async
-    assert async_blocker(engine.args, engine.runner, False) == "Engram hashes the tokens on the host"
+    assert async_blocker(engine.args, engine.runner, False) == "Engram tables in host memory"
     monkeypatch.setattr(engine, "async_scheduling", False)
     monkeypatch.setattr(engine, "_async_blocker", async_blocker(engine.args, engine.runner, False))
-    assert engine.scheduling_summary() == "one step at a time (Engram hashes the tokens on the host)"
+    assert engine.scheduling_summary() == "one step at a time (Engram tables in host memory)"

@@ -56,6 +56,34 @@ def _serve(engine, prompts, params):
     return [out[f"r{i}"] for i in range(len(prompts))], [lps[f"r{i}"] for i in range(len(prompts))]
 
 
+def test_a_pending_token_and_its_engram_ids_come_from_the_device(engine):
+    """Async scheduling on V4.1: a decode row whose token is still on the device reads it there, and its Engram hash
+    ids (layer 1 here) are finished there from the host's look-back: the logits equal those of the token known on
+    the host, at position 9 and at position 2 (look-back into the padding). First in the module: it resets the
+    engine's cache before any request has filled it."""
+    from serving.runtime.batch import SeqChunk
+
+    r = engine.runner
+    assert r.supports_async and r.model.engram is not None
+    a, b = _prompt(30, 9), _prompt(31, 2)
+    prefill = [SeqChunk(slot=0, block_table=[0, 1], token_ids=a, start=0, end=9),
+               SeqChunk(slot=1, block_table=[2], token_ids=b, start=0, end=2)]
+    ahead = [SeqChunk(slot=0, block_table=[0, 1], token_ids=a, start=9, end=10, pending_row=0),
+             SeqChunk(slot=1, block_table=[2], token_ids=b, start=2, end=3, pending_row=1)]
+    r.cache = r.fresh_cache()
+    first = r.launch(prefill, [None, None])
+    second = r.launch(ahead, [None, None], prev=first)
+    tokens = r.collect(first).tokens[:2].tolist()
+    r.collect(second)
+    got = np.asarray(second.segments.logits)[second.segments.rows]
+    r.cache = r.fresh_cache()
+    r.collect(r.launch(prefill, [None, None]))
+    known = [SeqChunk(slot=0, block_table=[0, 1], token_ids=a + tokens[:1], start=9, end=10),
+             SeqChunk(slot=1, block_table=[2], token_ids=b + tokens[1:], start=2, end=3)]
+    np.testing.assert_array_equal(got, np.asarray(r.forward(known)))
+    r.cache = r.fresh_cache()
+
+
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=24, logprobs=0, ignore_eos=True),
                                     SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=24, logprobs=0,
                                                    ignore_eos=True)], ids=["greedy", "seeded"])
@@ -71,6 +99,22 @@ def test_same_output_alone_batched_and_preempted(engine, params):
         assert trio[i] == toks and (i == 2 or pair[i] == toks)
         np.testing.assert_allclose(trio_lp[i], lps, atol=1e-4)
     assert engine.scheduler.num_free_blocks == engine.scheduler.num_blocks
+
+
+def test_async_scheduling_gives_the_step_by_step_outputs(engine, monkeypatch):
+    """V4.1 (Engram ids finished on the device) with async scheduling, the engine's default here: three requests
+    under preemption give the tokens and logprobs of step-by-step scheduling."""
+    assert engine.async_scheduling
+    prompts = [_prompt(s) for s in range(10, 13)]
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=5, max_tokens=24, logprobs=0, ignore_eos=True)
+    before = engine.scheduler.num_preemptions
+    asyn, asyn_lp = _serve(engine, prompts, params)
+    monkeypatch.setattr(engine, "async_scheduling", False)
+    sync, sync_lp = _serve(engine, prompts, params)
+    assert engine.scheduler.num_preemptions >= before + 2, "three 44-token requests in 12 blocks must preempt"
+    assert asyn == sync
+    for a, b in zip(asyn_lp, sync_lp):
+        np.testing.assert_allclose(a, b, atol=1e-5)
 
 
 def test_prompt_logprobs_match_the_full_forward(engine):
@@ -152,6 +196,7 @@ def test_the_next_step_is_dispatched_before_the_text_is_made(engine, monkeypatch
 
     prompt = _prompt(41)
     p = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    monkeypatch.setattr(engine, "async_scheduling", False)  # the overlap of step-by-step scheduling
     (alone,), _ = _serve(engine, [prompt], p)
     events = []
     launch, collect, update = engine.runner.launch, engine.runner.collect, OutputState.update
