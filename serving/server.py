@@ -66,8 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     from serving.model_source import load_model
     from serving.runtime.runner import enable_compilation_cache
 
-    enable_compilation_cache(srv.compilation_cache_dir, executables=ea.parallel.world_size == 1,
-                             max_bytes=srv.compilation_cache_max_bytes)
+    enable_compilation_cache(srv.compilation_cache_dir, executables=True, max_bytes=srv.compilation_cache_max_bytes)
     try:
         src = load_model(args.model, ea.runtime.seed, ea.parallel, progress=True)
         _say(f"model: {src.description}")

@@ -14,8 +14,11 @@ and configs do not pile up.
 
 `enable_compilation_cache(path, executables=True)` turns it on for the process (`path/executables`) instead
 of JAX's cache: on jaxlib 0.12 a program that came out of JAX's cache serializes without its code (it loads,
-then fails with "Function ... not found"), so the two are not mixed in one process. One device only: a mesh
-runner's programs carry shardings over its devices and are left to JAX's cache.
+then fails with "Function ... not found"), so the two are not mixed in one process. A mesh runner's programs carry
+their shardings and load onto the mesh's devices in its order (the mesh's shape and device ids are in the key);
+a tiny-model dp2 x tp2 server on 4 CPU devices was ready in 1.2-1.3 s warm, against 4.4-4.5 s with JAX's cache
+(which still traces and lowers) and 13.7-13.9 s cold. Processes of a multi-host run (`serving.launch`) keep JAX's
+cache.
 """
 
 from __future__ import annotations

@@ -162,9 +162,10 @@ class Runner:
             with jax.named_scope("segment2"):
                 return segments.segment2(merge(leaves), self.layout, cache, carry_buf, unpacked(b), **kw)
 
-        # One device: compiled programs (and the carry's shapes) kept on disk skip tracing (see exe_cache).
-        self.exe_cache = None if placement else ExecutableCache.for_runner(lambda: repr(
-            (c, rc, self.layout, self._graph, arg_tree(self._leaves), expert_counts, self.spec)))
+        # Compiled programs (and the carry's shapes) kept on disk skip tracing (see exe_cache).
+        self.exe_cache = ExecutableCache.for_runner(lambda: repr(
+            (c, rc, self.layout, self._graph, arg_tree(self._leaves), expert_counts, self.spec,
+             placement and (placement.mesh.shape_tuple, [d.id for d in self._exe_devices()]))))
         # Segment 1 leaves its rows in a persistent buffer of the largest bucket, which segment 2 reads: the
         # kept-row gather then lives in segment 2 and no function is compiled per (tokens, kept rows) pair.
         top = self.buckets.tokens[-1]
@@ -259,10 +260,14 @@ class Runner:
         rows = np.array([r * self.rc.max_num_seqs + j for r, j in where], np.int32)
         return batch, rows, where
 
+    def _exe_devices(self) -> list:
+        """The devices a compiled program runs on, in its order: the mesh's (a concrete one), or the one device."""
+        return list(self.placement.mesh.devices.flat) if self.placement else list(self._leaves[0].devices())
+
     def _compile(self, key: tuple, fn: str, *args) -> None:
         t = time.perf_counter()
         spec = jax.tree.map(_spec, args)
-        exe = self.exe_cache.load(key, spec, list(self._leaves[0].devices())) if self.exe_cache else None
+        exe = self.exe_cache.load(key, spec, self._exe_devices()) if self.exe_cache else None
         if exe is None:
             exe = self._fns[fn].lower(*spec).compile()
             if self.exe_cache:
@@ -436,7 +441,9 @@ class Runner:
         """A segment's batch as its compiled call takes it: on one device one packed array (`PackedBatch`: one
         transfer, not ~17); on a mesh the arrays as they are, placed per rank (the packed form, sliced inside the
         per-rank function, crashed XLA's SPMD partitioner: jaxlib 0.12.0.1, a dp=2 x tp=4 mesh,
-        `partition_group_list.num_replica_groups() * ...` check failure in spmd_partitioner_util.cc)."""
+        `partition_group_list.num_replica_groups() * ...` check failure in spmd_partitioner_util.cc; retried
+        2026-12-04: the tiny engine ran packed on dp2 x tp2 and dp2 x tp4, the equivalence layouts still crash in
+        PartitionGather -> ExpandDeviceGroupsWithIota)."""
         return self._put(batch) if self.placement else PackedBatch.pack(batch)
 
     def forward(self, chunks: Sequence[SeqChunk]) -> jax.Array:
@@ -608,9 +615,9 @@ def _bar(done: int, total: int, what: str, seconds: float) -> None:
 def enable_compilation_cache(path: str | None, *, executables: bool = False,
                              max_bytes: int | None = exe_cache.DEFAULT_MAX_BYTES) -> None:
     """Keep compiled buckets on disk, so a restart loads instead of recompiling. Process-wide; `None` or ""
-    leaves it off. `executables`: one-device runners keep their programs themselves in `path/executables`
-    (`serving.runtime.exe_cache`: a restart also skips tracing) and JAX's cache stays off; else JAX's
-    persistent cache of compiled HLO in `path`, which mesh runners need. Either keeps at most `max_bytes`,
+    leaves it off. `executables`: runners (one device or a mesh) keep their programs themselves in
+    `path/executables` (`serving.runtime.exe_cache`: a restart also skips tracing) and JAX's cache stays off; else
+    JAX's persistent cache of compiled HLO in `path` (multi-process runs). Either keeps at most `max_bytes`,
     deleting the least recently used programs beyond it (None: no bound)."""
     if not path:
         return

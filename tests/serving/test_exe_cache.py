@@ -1,6 +1,7 @@
 """The executable cache across restarts (fresh processes: the suite's own process runs JAX's cache, which this
 one replaces): the second start loads every program and the segment carry's shapes without tracing, and its steps
-equal the first start's bit for bit; other settings, or damaged entries, miss and compile. The folder keeps to its
+equal the first start's bit for bit, on one device and on a mesh; other settings, or damaged entries, miss and
+compile. The folder keeps to its
 size bound, least recently used entries first; one that cannot be written warns and misses."""
 
 import json
@@ -24,6 +25,7 @@ from serving.runtime.runner import Runner, enable_compilation_cache
 from tests.serving.driver import Driver
 
 folder, max_num_seqs, out, forbid_tracing = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
+mesh = sys.argv[5] == "1"
 enable_compilation_cache(folder, executables=True)
 if forbid_tracing:
     def traced(*a, **k):
@@ -31,7 +33,16 @@ if forbid_tracing:
     segments.segment1 = segments.segment2 = traced
 rc = RuntimeConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=16, max_model_len=64, block_size=8,
                    token_buckets=(16,))
-r = Runner(dsv41.random_model("tiny", seed=3), rc, progress=False)
+model = dsv41.random_model("tiny", seed=3)
+if mesh:  # data parallel 2 x tensor parallel 2
+    from sharding.mesh import ParallelConfig
+    from sharding.model import ShardedModel
+    from sharding.runtime import MeshPlacement
+
+    sm = ShardedModel(model, ParallelConfig(tensor_parallel_size=2, data_parallel_size=2))
+    r = Runner(sm, rc, progress=False, placement=MeshPlacement(sm.mesh))
+else:
+    r = Runner(model, rc, progress=False)
 r.precompile()
 d = Driver(r)
 d.start("a", [int(t) for t in np.random.default_rng(0).integers(3, 500, 21)])
@@ -43,11 +54,11 @@ print(json.dumps({"hits": r.exe_cache.hits, "misses": r.exe_cache.misses}))
 """
 
 
-def _start(folder, tmp_path, max_num_seqs=2, forbid_tracing=False) -> tuple[dict, np.ndarray]:
-    """One start on 8 CPU devices (a loaded program must land on the one device it was compiled for)."""
-    out = tmp_path / f"logits_{max_num_seqs}_{forbid_tracing}.npy"
+def _start(folder, tmp_path, max_num_seqs=2, forbid_tracing=False, mesh=False) -> tuple[dict, np.ndarray]:
+    """One start on 8 CPU devices (a loaded program must land on the device or mesh it was compiled for)."""
+    out = tmp_path / f"logits_{max_num_seqs}_{forbid_tracing}_{mesh}.npy"
     done = subprocess.run([sys.executable, "-c", _START, str(folder), str(max_num_seqs), str(out),
-                           str(int(forbid_tracing))], capture_output=True, text=True, env=xla_env(8),
+                           str(int(forbid_tracing)), str(int(mesh))], capture_output=True, text=True, env=xla_env(8),
                           cwd=Path(__file__).resolve().parents[2], timeout=HANG_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1]), np.load(out)
@@ -66,6 +77,17 @@ def test_restart_loads_every_program_without_tracing(tmp_path):
         path.write_bytes(b"damaged")
     again, got = _start(folder, tmp_path)
     assert again == {"hits": 0, "misses": 3}
+    np.testing.assert_array_equal(got, want)
+
+
+def test_a_mesh_runner_restarts_from_its_programs(tmp_path):
+    """The same on a data-parallel 2 x tensor-parallel 2 mesh: its programs carry their shardings and load onto
+    the mesh's devices, without tracing, and step bit for bit as the first start."""
+    folder = tmp_path / "cache"
+    first, want = _start(folder, tmp_path, mesh=True)
+    assert first == {"hits": 0, "misses": 3}
+    second, got = _start(folder, tmp_path, forbid_tracing=True, mesh=True)
+    assert second == {"hits": 3, "misses": 0}
     np.testing.assert_array_equal(got, want)
 
 
