@@ -80,26 +80,27 @@ class MeshPlacement:
         return rules.place(tree, jax.tree.map(lambda _: self.replicated, tree))
 
     def per_rank(self, fn: Callable, leaves: Sequence[jax.Array], outputs: Sequence[str]) -> Callable:
-        """fn(leaves, cache, carry, batch) of ONE rank (its cache, carry and batch arrays without the rank
-        dimension) -> the same over the global arrays, run on every rank at once. `outputs` names each of
-        fn's outputs' kind (OUTPUT_KINDS)."""
+        """fn(leaves, cache, carry, batch, *replicated) of ONE rank (its cache, carry and batch arrays without the
+        rank dimension; arrays every rank reads whole, e.g. the previous step's sampled tokens) -> the same over
+        the global arrays, run on every rank at once. `outputs` names each of fn's outputs' kind (OUTPUT_KINDS)."""
         if any(k not in OUTPUT_KINDS for k in outputs):
             raise ValueError(f"output kinds {outputs}: each must be one of {OUTPUT_KINDS}")
         leaf_specs = [_manual(a.sharding.spec) if isinstance(getattr(a, "sharding", None), NamedSharding) else P()
                       for a in leaves]
         ranked = P(DP_AXES)
 
-        def body(leaves, cache, carry, batch):
-            outs = fn(leaves, cache, carry, jax.tree.map(lambda a: a[0], batch))
+        def body(leaves, cache, carry, batch, *replicated):
+            outs = fn(leaves, cache, carry, jax.tree.map(lambda a: a[0], batch), *replicated)
             return tuple(None if o is None else jax.tree.map(lambda x: jax.lax.psum(x, DP_AXES), o) if k == "sum"
                          else o for o, k in zip(outs, outputs))
 
         out_specs = tuple(P() if k == "sum" else ranked for k in outputs)
 
-        def run(leaves, cache, carry, batch):
-            return jax.shard_map(body, mesh=self.mesh, in_specs=(leaf_specs, ranked, ranked, ranked),
+        def run(leaves, cache, carry, batch, *replicated):
+            return jax.shard_map(body, mesh=self.mesh, in_specs=(leaf_specs, ranked, ranked, ranked,
+                                                                 *(P(),) * len(replicated)),
                                  out_specs=out_specs, axis_names=set(DP_AXES), check_vma=False)(
-                leaves, cache, carry, batch)
+                leaves, cache, carry, batch, *replicated)
 
         return run
 

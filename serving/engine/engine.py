@@ -17,9 +17,9 @@ token (`Request.num_pending`); its row in step n + 1 reads that token from step 
 (`SeqChunk.pending_row`), so the host's scheduling, batch building and dispatch overlap the device's work. A length
 limit is known in advance (no row follows the last token); a token finish (EOS, a stop id) drops the row already
 dispatched, as a stop string does. Outputs are the same as step by step. V4.1's Engram hash ids of such a row are
-finished on the device from the host's look-back (`dsv41.layers.engram`). It needs one device, no speculative
-decoding, EPLB or Engram tables in host memory (their rows are gathered by the host); elsewhere steps go one at a
-time.
+finished on the device from the host's look-back (`dsv41.layers.engram`). On a mesh every rank reads the replicated
+sampled tokens by global row. It needs no speculative decoding, EPLB or Engram tables in host memory (their rows are
+gathered by the host); elsewhere steps go one at a time.
 """
 
 from __future__ import annotations

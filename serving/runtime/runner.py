@@ -176,6 +176,13 @@ class Runner:
             if self.exe_cache:
                 self.exe_cache.put_value("carry", spec)
         sample_fn = functools.partial(sample, max_top_k=rc.max_top_k)
+        # Segment 1 takes the previous step's sampled tokens (async scheduling; zeros when no row reads them) and,
+        # with Engram hash ids, every token's hash term (the device finishes a pending row's ids): on a mesh both
+        # replicated, each rank reading its rows' tokens by their global sampled row.
+        put = self._put_replicated if placement else jnp.asarray
+        self._no_prev = put(np.zeros(self.ranks * rc.max_num_seqs, np.int32))
+        self._engram_terms = (() if model.engram is None or model.engram_tables is not None
+                              else (put(model.engram.token_terms(model.token_map)),))
         if placement:
             self.carry_buf = placement.zeros(spec)
             cache_sh, carry_sh = (jax.tree.map(lambda a: a.sharding, t) for t in (self.cache, self.carry_buf))
@@ -191,11 +198,6 @@ class Runner:
                 "sample": jax.jit(sample_fn, in_shardings=(rows2, rep), out_shardings=rep)}
         else:
             self.carry_buf = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), spec)
-            # segment 1 takes the previous step's sampled tokens (async scheduling; zeros when no row reads them)
-            # and, with Engram hash ids, every token's hash term (the device finishes a pending row's ids)
-            self._no_prev = jnp.zeros(rc.max_num_seqs, jnp.int32)
-            self._engram_terms = (() if model.engram is None or model.engram_tables is not None
-                                  else (jnp.asarray(model.engram.token_terms(model.token_map)),))
             self._fns = {"seg1": jax.jit(_named(_one_rank(seg1), "segment1"), donate_argnums=(1, 2)),
                          "seg2": jax.jit(_named(_one_rank(seg2), "segment2"), donate_argnums=1),
                          "sample": jax.jit(sample_fn)}
@@ -456,7 +458,7 @@ class Runner:
     def async_blocker(self) -> str | None:
         """Why a step cannot be launched before the previous one is collected, its rows reading that step's sampled
         tokens on the device (`SeqChunk.pending_row`); None when it can."""
-        return ("a device mesh" if self.placement is not None else "speculative decoding" if self.spec
+        return ("speculative decoding" if self.spec
                 else "Engram tables in host memory" if self.model.engram_tables is not None else None)
 
     @property
@@ -464,9 +466,7 @@ class Runner:
         return self.async_blocker is None
 
     def _prev_arg(self, prev: LaunchedStep | None = None) -> tuple:
-        """Segment 1's previous-tokens arguments (one device only; a mesh's segment 1 takes none)."""
-        if self.placement is not None:
-            return ()
+        """Segment 1's previous-tokens arguments: the sampled tokens [ranks x max_num_seqs] and Engram's terms."""
         return (self._no_prev if prev is None else prev.sampled[0], *self._engram_terms)
 
     def _segments(self, chunks: Sequence[SeqChunk], built=None, prev: LaunchedStep | None = None) -> _Segments:
@@ -494,8 +494,8 @@ class Runner:
         `prev`: the step launched before this one, not collected yet, whose sampled tokens the chunks with a
         `pending_row` read (async scheduling, `supports_async`)."""
         if any(ch.pending_row >= 0 for ch in chunks) and (prev is None or not self.supports_async):
-            raise ValueError("chunks with a pending token need the previous launched step (async scheduling: one "
-                             "device, no speculative decoding, no Engram tables in host memory)")
+            raise ValueError("chunks with a pending token need the previous launched step (async scheduling: no "
+                             "speculative decoding, no Engram tables in host memory)")
         if self.spec:
             return self._launch_speculative(chunks, params, banned)
         seg = self._segments(chunks, prev=prev)

@@ -3,8 +3,10 @@ EPLB with 8 experts in 16 slots) against the single-device engine, same greedy r
 three sessions (routed to ranks by the sticky DP router), then a second turn of each session whose prompt
 extends the first turn's (it must land on the same rank and hit that rank's prefix cache).
 
+Then a dp4 x tp2 engine without EPLB (async scheduling) serves the first turn.
+
 Prints one JSON object: both engines' tokens and cached-token counts per turn, each request's rank, the
-steps after which EPLB rearranged and the placements, the compiled buckets before and after serving,
+steps after which EPLB rearranged and the placements, the async engine's scheduling line, tokens and ranks, the compiled buckets before and after serving,
 whether the runner runs the migrated weights, and the rendered `dsv41:*` metric lines.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.sharding.dep_engine_worker
@@ -71,7 +73,12 @@ def main() -> None:
     steps_turn1 = n_steps
     got2 = _serve(eng, turn2, greedy, turn=2, ranks=ranks, on_step=on_step)
     metrics = [ln for ln in eng.metrics.render().decode().splitlines() if ln.startswith("dsv41:")]
-    print(json.dumps({"ref": ref, "eplb": got, "ref_turn2": ref2, "dep_turn2": got2, "ranks": ranks,
+    # without EPLB the mesh engine schedules async: each rank's pending rows read their tokens on the device
+    dp = Engine(model, None, base.replace(data_parallel_size=4, tensor_parallel_size=2), progress=False)
+    dp_ranks = {}
+    dp_async = {"scheduling": dp.scheduling_summary(), **_serve(dp, prompts, greedy, ranks=dp_ranks),
+                "ranks": sorted(set(dp_ranks.values()))}
+    print(json.dumps({"ref": ref, "eplb": got, "dp_async": dp_async, "ref_turn2": ref2, "dep_turn2": got2, "ranks": ranks,
                       "steps_turn1": steps_turn1, "steps": n_steps, "eplb_steps": eng.eplb.state.steps,
                       "rearranged_at": rearranged_at, "placements": placements,
                       "balancedness": eng.eplb.state.balancedness(),

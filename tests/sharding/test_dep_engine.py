@@ -3,7 +3,8 @@ with another device count): requests routed to data-parallel ranks, each rank wi
 and prefix cache, give the single-device engine's greedy outputs; a session's second turn goes back to its
 rank and hits the prefix cache there. EPLB (8 redundant expert slots) rearranges every `interval` steps,
 the weights migrate between steps without recompiling, and the balancedness and rearrangement count are in
-the rendered /metrics registry. Also: EPLB without expert parallelism is refused by name."""
+the rendered /metrics registry. Without EPLB a dp4 x tp2 engine schedules async with the same outputs. Also: EPLB
+without expert parallelism is refused by name."""
 
 import json
 import re
@@ -43,6 +44,14 @@ def test_data_parallel_ranks_serve_sessions_where_their_cache_is(served):
     assert served["dep_turn2"]["cached"] == served["ref_turn2"]["cached"] and max(served["dep_turn2"]["cached"]) > 0
     per_rank = [ln for ln in served["metrics"] if ln.startswith("dsv41:dp_rank_requests{")]
     assert len(per_rank) == 8 and all(ln.endswith(" 0.0") for ln in per_rank)  # all finished
+
+
+def test_async_scheduling_on_a_mesh_gives_the_single_device_outputs(served):
+    """dp4 x tp2 without EPLB schedules async: requests on three ranks read their pending tokens (by their global
+    sampled row) and finish their Engram ids on the device, with the single-device engine's greedy tokens."""
+    a = served["dp_async"]
+    assert a["scheduling"].startswith("async") and len(a["ranks"]) == 3
+    assert a["tokens"] == served["ref"]["tokens"]
 
 
 def test_rearranges_every_interval_with_greedy_outputs_unchanged(served):
