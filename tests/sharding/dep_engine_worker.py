@@ -6,8 +6,9 @@ extends the first turn's (it must land on the same rank and hit that rank's pref
 Then a dp4 x tp2 engine without EPLB (async scheduling) serves the first turn.
 
 Prints one JSON object: both engines' tokens and cached-token counts per turn, each request's rank, the
-steps after which EPLB rearranged and the placements, the async engine's scheduling line, tokens and ranks, the compiled buckets before and after serving,
-whether the runner runs the migrated weights, and the rendered `dsv41:*` metric lines.
+steps after which EPLB rearranged and the placements, the async engine's scheduling line, tokens and ranks,
+the compiled buckets before and after serving, whether the runner runs the migrated weights, and the rendered
+`dsv41:*` metric lines.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.sharding.dep_engine_worker
 """
@@ -78,7 +79,8 @@ def main() -> None:
     dp_ranks = {}
     dp_async = {"scheduling": dp.scheduling_summary(), **_serve(dp, prompts, greedy, ranks=dp_ranks),
                 "ranks": sorted(set(dp_ranks.values()))}
-    print(json.dumps({"ref": ref, "eplb": got, "dp_async": dp_async, "ref_turn2": ref2, "dep_turn2": got2, "ranks": ranks,
+    print(json.dumps({"ref": ref, "eplb": got, "dp_async": dp_async, "ref_turn2": ref2, "dep_turn2": got2,
+                      "ranks": ranks,
                       "steps_turn1": steps_turn1, "steps": n_steps, "eplb_steps": eng.eplb.state.steps,
                       "rearranged_at": rearranged_at, "placements": placements,
                       "balancedness": eng.eplb.state.balancedness(),
