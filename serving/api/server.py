@@ -43,8 +43,8 @@ class ServerArgs:
         "help": "require 'Authorization: Bearer KEY' on /v1 routes and /start_profile, /stop_profile"})
     max_request_body_bytes: int = field(default=32 << 20, metadata={"help": "larger request bodies get HTTP 413"})
     compilation_cache_dir: str = field(default=str(Path.home() / ".cache" / "dsv41-jax" / "xla"), metadata={
-        "help": "where compiled steps are kept: a restart with the same flags loads them ('' turns it off); one "
-                "device: the programs themselves (executables/, no tracing either), a mesh: JAX's XLA cache"})
+        "help": "where compiled steps are kept: a restart with the same flags loads them ('' turns it off): the "
+                "programs themselves (executables/, no tracing either), on one device or a mesh"})
     compilation_cache_max_gb: int = field(default=DEFAULT_MAX_BYTES >> 30, metadata={
         "help": "bound on that cache's size in GiB: the least recently used programs are deleted beyond it (old "
                 "source versions and configs); 0: no bound"})
