@@ -72,8 +72,10 @@ PY
 unset XLA_PYTHON_CLIENT_MEM_FRACTION
 
 step "kernel tests compiled for the GPU (Triton kernels against their references)"
+# four workers where the image has pytest-xdist (a dev extra of ours, not of the image): else one
+workers=$("$PY" -c 'import xdist' 2>/dev/null && echo "-n 4")
 JAX_PLATFORMS=cuda XLA_FLAGS="" XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 "${TESTS_S:-60}" \
-    "$PY" -m pytest -v -rf -n 4 tests/pallas_kernels > "$OUT/kernel_tests.txt" 2>&1
+    "$PY" -m pytest -v -rf $workers tests/pallas_kernels > "$OUT/kernel_tests.txt" 2>&1
 echo "rc $?" | tee -a "$OUT/steps.log"
 grep -E "FAILED|passed|failed" "$OUT/kernel_tests.txt" | tail -15
 step "done"

@@ -84,3 +84,26 @@ def compiled_runner(model, **runtime) -> Runner:
     r = Runner(model, RuntimeConfig(**runtime), progress=False)
     r.precompile()
     return r
+
+
+def assert_pending_rows_read_on_the_device(runner: Runner, requests: list[tuple[int, list[int], list[int]]]) -> None:
+    """Async scheduling at the runner: each (slot, block table, prompt) is prefilled, then its next row is launched
+    with its token pending (read from the prefill step's sampled tokens on the device, `SeqChunk.pending_row`)
+    before the prefill is collected; its logits must equal, bit for bit, those of the same row with the token known
+    on the host. The runner's cache is reset before and after (run it before any request fills the cache)."""
+    prefill = [SeqChunk(slot=s, block_table=b, token_ids=p, start=0, end=len(p)) for s, b, p in requests]
+    ahead = [SeqChunk(slot=s, block_table=b, token_ids=p, start=len(p), end=len(p) + 1, pending_row=i)
+             for i, (s, b, p) in enumerate(requests)]
+    unset = [None] * len(requests)
+    runner.cache = runner.fresh_cache()
+    first = runner.launch(prefill, unset)
+    second = runner.launch(ahead, unset, prev=first)
+    tokens = runner.collect(first).tokens[:len(requests)].tolist()
+    runner.collect(second)
+    got = np.asarray(second.segments.logits)[second.segments.rows]
+    runner.cache = runner.fresh_cache()
+    runner.collect(runner.launch(prefill, unset))
+    known = [SeqChunk(slot=s, block_table=b, token_ids=p + [t], start=len(p), end=len(p) + 1)
+             for (s, b, p), t in zip(requests, tokens)]
+    np.testing.assert_array_equal(got, np.asarray(runner.forward(known)))
+    runner.cache = runner.fresh_cache()

@@ -16,6 +16,7 @@ from serving.engine.engine import Engine
 from serving.runtime.batch import SeqChunk
 from serving.runtime.kv_cache import CacheLayout
 from serving.runtime.sampling_params import SamplingParams
+from tests.serving.driver import assert_pending_rows_read_on_the_device
 
 CONFIG = "tests/fixtures/oracle/v4_tiny/config.json"
 
@@ -65,23 +66,11 @@ def test_a_pending_token_is_read_on_the_device(engine):
     """The runner: a chunk whose last token is pending reads it from the previous launched step's sampled tokens
     (hash-routed layer 0 included): the logits of the token known on the host; without that step it is refused.
     (First in the module: it resets the engine's cache, before any request has filled it.)"""
-    r = engine.runner
-    prompt, blocks = _prompt(30, 9), [0]
-    prefill = SeqChunk(slot=0, block_table=blocks, token_ids=prompt, start=0, end=9)
-    ahead = SeqChunk(slot=0, block_table=blocks, token_ids=prompt, start=9, end=10, pending_row=0)
+    prompt = _prompt(30, 9)
     with pytest.raises(ValueError, match="previous launched step"):
-        r.launch([ahead], [None])
-    r.cache = r.fresh_cache()
-    first = r.launch([prefill], [None])
-    second = r.launch([ahead], [None], prev=first)
-    token = int(r.collect(first).tokens[0])
-    r.collect(second)
-    got = np.asarray(second.segments.logits)[second.segments.rows]
-    r.cache = r.fresh_cache()
-    r.collect(r.launch([prefill], [None]))
-    want = np.asarray(r.forward([SeqChunk(slot=0, block_table=blocks, token_ids=prompt + [token], start=9, end=10)]))
-    np.testing.assert_array_equal(got, want)
-    r.cache = r.fresh_cache()
+        engine.runner.launch([SeqChunk(slot=0, block_table=[0], token_ids=prompt, start=9, end=10, pending_row=0)],
+                             [None])
+    assert_pending_rows_read_on_the_device(engine.runner, [(0, [0], prompt)])
 
 
 def _both(engine, monkeypatch, requests, **kw):

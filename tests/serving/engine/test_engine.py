@@ -61,27 +61,10 @@ def test_a_pending_token_and_its_engram_ids_come_from_the_device(engine):
     ids (layer 1 here) are finished there from the host's look-back: the logits equal those of the token known on
     the host, at position 9 and at position 2 (look-back into the padding). First in the module: it resets the
     engine's cache before any request has filled it."""
-    from serving.runtime.batch import SeqChunk
+    from tests.serving.driver import assert_pending_rows_read_on_the_device
 
-    r = engine.runner
-    assert r.supports_async and r.model.engram is not None
-    a, b = _prompt(30, 9), _prompt(31, 2)
-    prefill = [SeqChunk(slot=0, block_table=[0, 1], token_ids=a, start=0, end=9),
-               SeqChunk(slot=1, block_table=[2], token_ids=b, start=0, end=2)]
-    ahead = [SeqChunk(slot=0, block_table=[0, 1], token_ids=a, start=9, end=10, pending_row=0),
-             SeqChunk(slot=1, block_table=[2], token_ids=b, start=2, end=3, pending_row=1)]
-    r.cache = r.fresh_cache()
-    first = r.launch(prefill, [None, None])
-    second = r.launch(ahead, [None, None], prev=first)
-    tokens = r.collect(first).tokens[:2].tolist()
-    r.collect(second)
-    got = np.asarray(second.segments.logits)[second.segments.rows]
-    r.cache = r.fresh_cache()
-    r.collect(r.launch(prefill, [None, None]))
-    known = [SeqChunk(slot=0, block_table=[0, 1], token_ids=a + tokens[:1], start=9, end=10),
-             SeqChunk(slot=1, block_table=[2], token_ids=b + tokens[1:], start=2, end=3)]
-    np.testing.assert_array_equal(got, np.asarray(r.forward(known)))
-    r.cache = r.fresh_cache()
+    assert engine.runner.supports_async and engine.model.engram is not None
+    assert_pending_rows_read_on_the_device(engine.runner, [(0, [0, 1], _prompt(30, 9)), (1, [2], _prompt(31, 2))])
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=24, logprobs=0, ignore_eos=True),
