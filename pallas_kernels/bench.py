@@ -20,6 +20,7 @@ it is optional and not installed on the CPU development machine.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import statistics
@@ -93,7 +94,7 @@ def ceilings(smoke: bool, reps: int) -> dict:
     return {"copy_bytes_per_s": bw, "matmul_flops_per_s": 2 * m ** 3 / _median_seconds(mm, (a, b), reps)}
 
 
-def _attention_case(rng, *, B, ctx, prefill_rows, smoke):
+def _attention_case(rng, name, *, B, ctx, prefill_rows, smoke):
     H, d, W, K, rpb = (16, 64, 16, 32, 16) if smoke else (64, 512, 128, 512, 64)
     T = prefill_rows or B
     R = 1 if prefill_rows else B
@@ -119,21 +120,20 @@ def _attention_case(rng, *, B, ctx, prefill_rows, smoke):
     decode = not prefill_rows
     kernel = lambda *a: sa.sparse_mla(*a, out_fp8=False, decode=decode, impl="pallas")
     by = T * (W * (d + d // 32) + K * (d // 2 + d // 16) + H * d * 2 + H * d * 4)
-    name = f"sparse_mla prefill rows={T} ctx={ctx}" if prefill_rows else f"sparse_mla decode B={B} ctx={ctx}"
     check = sa.xla if prefill_rows else sa.reference
     return Case(name, args, kernel, sa.xla, check, by, 4.0 * T * H * d * (W + K))
 
 
-def _router_case(rng, *, T, smoke):
+def _router_case(rng, name, *, T, smoke):
     E, D = (48, 128) if smoke else (384, 5120)
     args = (jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16),
             jnp.asarray(rng.standard_normal((E, D)) / np.sqrt(D), jnp.bfloat16), jnp.zeros(E, jnp.float32))
     kw = dict(top_k=6, scaling=1.5)
-    return Case(f"router T={T}", args, lambda *a: router.pallas(*a, **kw), lambda *a: router.xla(*a, **kw),
+    return Case(name, args, lambda *a: router.pallas(*a, **kw), lambda *a: router.xla(*a, **kw),
                 lambda *a: router.reference(*a, **kw), 2.0 * (E * D + T * D), 2.0 * T * E * D)
 
 
-def _indexer_case(rng, *, B, ctx, candidates, smoke):
+def _indexer_case(rng, name, *, B, ctx, candidates, smoke):
     h, c, rpb, k, n_cand, cbs = (4, 32, 16, 16, 8, 8) if smoke else (32, 128, 256, 512, 2048, 8)
     nb_req = -(-ctx // rpb)
     keys = jnp.asarray(rng.integers(0, 256, (B * nb_req, rpb, c // 2 + c // 32)), jnp.uint8).at[..., c // 2:].set(127)
@@ -150,18 +150,17 @@ def _indexer_case(rng, *, B, ctx, candidates, smoke):
         kw = dict(k=k, candidates_TK=cand)
     else:
         rows, kw = ctx, dict(k=k)
-    mode = "candidates" if candidates else "dense"
-    return Case(f"indexer {mode} B={B} ctx={ctx}", (q, w, keys, meta), lambda *a: indexer.pallas(*a, **kw),
+    return Case(name, (q, w, keys, meta), lambda *a: indexer.pallas(*a, **kw),
                 lambda *a: indexer.xla(*a, **kw), lambda *a: indexer.reference(*a, **kw),
                 B * rows * (c // 2 + c // 32), 2.0 * B * rows * h * c)
 
 
-def _mhc_case(rng, *, T, smoke):
+def _mhc_case(rng, name, *, T, smoke):
     n, D = (4, 128) if smoke else (4, 5120)
     f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
     args = (f(T, n, D).astype(jnp.bfloat16), f(T, D).astype(jnp.bfloat16), jax.nn.sigmoid(f(T, n)) * 2,
             jax.nn.softmax(f(T, n, n), -1), jax.nn.sigmoid(f(T, n)), jnp.ones(D, jnp.bfloat16))
-    return Case(f"mhc_post_pre T={T}", args, lambda *a: mhc.pallas(*a, eps=1e-20), lambda *a: mhc.xla(*a, eps=1e-20),
+    return Case(name, args, lambda *a: mhc.pallas(*a, eps=1e-20), lambda *a: mhc.xla(*a, eps=1e-20),
                 lambda *a: mhc.reference(*a, eps=1e-20), 2.0 * T * (2 * n * D + 2 * D), 4.0 * T * n * n * D)
 
 
@@ -198,7 +197,7 @@ def _tokamax_experts(tokamax, x, ids, wts, w1_EDI, w3_EDI, w2_EID):
     return jnp.zeros_like(y).at[order].set(y).reshape(T, k, -1).sum(axis=1)
 
 
-def _moe_case(rng, weights, *, T: int, kind: str, smoke: bool):
+def _moe_case(rng, name, weights, *, T: int, kind: str, smoke: bool):
     w1, w3, w2 = weights[kind]
     E, I, D = w1.shape
     k = 4 if smoke else 6
@@ -215,12 +214,11 @@ def _moe_case(rng, weights, *, T: int, kind: str, smoke: bool):
         t1, t3, t2 = (jnp.swapaxes(w, 1, 2) for w in (w1, w3, w2))
         others = (("tokamax_ragged_dot", lambda x, i, w, *_: _tokamax_experts(tokamax, x, i, w, t1, t3, t2)),)
     kw = dict(limit=MOE_LIMIT)
-    name = f"moe_gmm {kind} " + (f"decode B={T}" if T <= 64 else f"prefill {T} rows")
     return Case(name, args, lambda *a: moe_gmm.pallas(*a, **kw), lambda *a: moe_gmm.xla(*a, **kw),
                 lambda *a: moe_gmm.xla(*a, **kw), by, 2.0 * T * k * 3 * I * D, others)
 
 
-def _fp8_linear_case(rng, *, T: int, smoke: bool):
+def _fp8_linear_case(rng, name, *, T: int, smoke: bool):
     """wq_b of V4.1-Flash ([H*d, q_lora] = [32768, 1280], FP8 32x32 blocks): fused decode vs XLA's decode + dot."""
     O, I = (256, 128) if smoke else (32768, 1280)
     w = jax.random.bits(jax.random.key(2), (O, I), jnp.uint8) & 0x7E  # positive e4m3 codes below NaN
@@ -228,42 +226,59 @@ def _fp8_linear_case(rng, *, T: int, smoke: bool):
     x = jnp.asarray(rng.standard_normal((T, I)), jnp.bfloat16)
     kw = dict(block=(32, 32), dtype=jnp.bfloat16, out_dtype=jnp.bfloat16)
     by = O * I * (1 + 1 / 1024) + T * (I + O) * 2
-    return Case(f"fp8_linear wq_b T={T}", (x, w, s), lambda *a: fp8_linear.pallas(*a, **kw),
+    return Case(name, (x, w, s), lambda *a: fp8_linear.pallas(*a, **kw),
                 lambda *a: fp8_linear.xla(*a, **kw), lambda *a: fp8_linear.reference(*a, **kw), by, 2.0 * T * O * I)
 
 
-def cases(smoke: bool, rng) -> list[Callable[[], Case]]:
-    """Thunks building each case (in this order, drawing from `rng`): a case is built only when its turn comes, so
-    a failure to build one (e.g. out of memory) is that case's error, and the MoE expert stacks exist only once a
-    MoE case runs."""
+def cases(smoke: bool, seed: int) -> list[tuple[str, Callable[[], Case]]]:
+    """(name, build) of each case in order: a case is built only when its turn comes and only if it is selected,
+    so a failure to build one (e.g. out of memory) is that case's error, a filtered run builds only what it times,
+    and the MoE expert stacks exist only once a MoE case runs. Case n draws from its own generator (seed, n): a
+    filtered run times the inputs of the full one."""
+    out = []
+
+    def add(name: str, build: Callable) -> None:
+        n = len(out)
+        out.append((name, lambda: build(np.random.default_rng((seed, n)), name)))
+
+    attention = lambda B, ctx, rows: (f"sparse_mla prefill rows={rows} ctx={ctx}" if rows
+                                      else f"sparse_mla decode B={B} ctx={ctx}")
+    indexer_name = lambda B, ctx, candidates: f"indexer {'candidates' if candidates else 'dense'} B={B} ctx={ctx}"
+    moe_name = lambda T, kind: f"moe_gmm {kind} " + (f"decode B={T}" if T <= 64 else f"prefill {T} rows")
     if smoke:
-        return [lambda: _attention_case(rng, B=2, ctx=64, prefill_rows=0, smoke=True),
-                lambda: _attention_case(rng, B=1, ctx=64, prefill_rows=4, smoke=True),
-                lambda: _router_case(rng, T=5, smoke=True),
-                lambda: _indexer_case(rng, B=2, ctx=64, candidates=False, smoke=True),
-                lambda: _indexer_case(rng, B=2, ctx=256, candidates=True, smoke=True),
-                lambda: _mhc_case(rng, T=5, smoke=True),
-                lambda: _fp8_linear_case(rng, T=5, smoke=True),
-                lambda: _moe_case(rng, {"mxfp4": _moe_weights(jax.random.key(1), True, "mxfp4")}, T=5, kind="mxfp4",
-                                  smoke=True)]
-    out = [lambda B=B, ctx=ctx: _attention_case(rng, B=B, ctx=ctx, prefill_rows=0, smoke=False)
-           for ctx in (8192, 131072) for B in (1, 8, 64)]
-    out.append(lambda: _attention_case(rng, B=1, ctx=8192, prefill_rows=4096, smoke=False))
-    out += [lambda T=T: _router_case(rng, T=T, smoke=False) for T in (1, 8, 64, 4096)]
-    out += [lambda B=B, ctx=ctx: _indexer_case(rng, B=B, ctx=ctx, candidates=True, smoke=False)
-            for ctx in (8192, 131072) for B in (1, 8, 64)]
-    out += [lambda B=B: _indexer_case(rng, B=B, ctx=8192, candidates=False, smoke=False) for B in (1, 64)]
-    out += [lambda T=T: _mhc_case(rng, T=T, smoke=False) for T in (1, 64, 4096)]
-    out += [lambda T=T: _fp8_linear_case(rng, T=T, smoke=False) for T in (1, 64, 8192)]
+        for B, rows in ((2, 0), (1, 4)):
+            add(attention(B, 64, rows), functools.partial(_attention_case, B=B, ctx=64, prefill_rows=rows, smoke=True))
+        add("router T=5", functools.partial(_router_case, T=5, smoke=True))
+        for ctx, cand in ((64, False), (256, True)):
+            add(indexer_name(2, ctx, cand), functools.partial(_indexer_case, B=2, ctx=ctx, candidates=cand, smoke=True))
+        add("mhc_post_pre T=5", functools.partial(_mhc_case, T=5, smoke=True))
+        add("fp8_linear wq_b T=5", functools.partial(_fp8_linear_case, T=5, smoke=True))
+        add(moe_name(5, "mxfp4"), lambda rng, name: _moe_case(
+            rng, name, {"mxfp4": _moe_weights(jax.random.key(1), True, "mxfp4")}, T=5, kind="mxfp4", smoke=True))
+        return out
+    for ctx in (8192, 131072):
+        for B in (1, 8, 64):
+            add(attention(B, ctx, 0), functools.partial(_attention_case, B=B, ctx=ctx, prefill_rows=0, smoke=False))
+    add(attention(1, 8192, 4096), functools.partial(_attention_case, B=1, ctx=8192, prefill_rows=4096, smoke=False))
+    for T in (1, 8, 64, 4096):
+        add(f"router T={T}", functools.partial(_router_case, T=T, smoke=False))
+    for B, ctx, cand in [(B, ctx, True) for ctx in (8192, 131072) for B in (1, 8, 64)] + [(1, 8192, False),
+                                                                                          (64, 8192, False)]:
+        add(indexer_name(B, ctx, cand), functools.partial(_indexer_case, B=B, ctx=ctx, candidates=cand, smoke=False))
+    for T in (1, 64, 4096):
+        add(f"mhc_post_pre T={T}", functools.partial(_mhc_case, T=T, smoke=False))
+    for T in (1, 64, 8192):
+        add(f"fp8_linear wq_b T={T}", functools.partial(_fp8_linear_case, T=T, smoke=False))
     weights = {}  # each kind's expert stacks (7 / 27 GB), made by the first case that needs them
 
-    def moe(T: int, kind: str) -> Case:
+    def moe(rng, name, T: int, kind: str) -> Case:
         if kind not in weights:
             weights[kind] = _moe_weights(jax.random.key(1), False, kind)
-        return _moe_case(rng, weights, T=T, kind=kind, smoke=False)
+        return _moe_case(rng, name, weights, T=T, kind=kind, smoke=False)
 
-    out += [lambda T=T: moe(T, "mxfp4") for T in (1, 8, 64, 4096)]
-    out += [lambda T=T: moe(T, "bf16") for T in (1, 64, 4096)]
+    for kind, Ts in (("mxfp4", (1, 8, 64, 4096)), ("bf16", (1, 64, 4096))):
+        for T in Ts:
+            add(moe_name(T, kind), functools.partial(moe, T=T, kind=kind))
     return out
 
 
@@ -324,24 +339,23 @@ def run(smoke: bool, reps: int, seed: int, only: tuple[str, ...] = (), max_secon
     as soon as it is measured, so a run cut short keeps what it measured. A case that fails (a kernel that does
     not compile, a wrong result is not a failure: its max difference is reported) is an `error` row; cases not
     started within `max_seconds`, or after a device fault (`DEVICE_FAULTS`), are `skipped` rows."""
-    rng = np.random.default_rng(seed)
     start, faulted = time.perf_counter(), None
     report = {"device": str(jax.devices()[0]), "backend": jax.default_backend(), "smoke": smoke, "seed": seed,
               "ceilings": ceilings(smoke, reps), "results": []}
     print_header(report)
-    for n, build in enumerate(cases(smoke, rng)):
+    for name, build in cases(smoke, seed):
+        if only and not any(s in name for s in only):
+            continue
         if faulted:
-            row = {"kernel": f"case {n}", "skipped": f"the device faulted in {faulted}: its context is unusable"}
+            row = {"kernel": name, "skipped": f"the device faulted in {faulted}: its context is unusable"}
         elif max_seconds is not None and time.perf_counter() - start > max_seconds:
-            row = {"kernel": f"case {n}", "skipped": f"not started within --max-seconds {max_seconds:g}"}
+            row = {"kernel": name, "skipped": f"not started within --max-seconds {max_seconds:g}"}
         else:
             try:
                 case = build()
             except Exception as e:
-                row = {"kernel": f"case {n}", "error": f"building it: {type(e).__name__}: {e}"[:2000]}
+                row = {"kernel": name, "error": f"building it: {type(e).__name__}: {e}"[:2000]}
             else:
-                if only and not any(s in case.name for s in only):
-                    continue
                 try:
                     row = measure(case, reps, report["ceilings"], calls=1 if smoke else 10,
                                   copies=1 if smoke else None)

@@ -54,18 +54,18 @@ def test_a_failing_case_is_reported_and_the_run_goes_on(tmp_path, monkeypatch, c
 
     def built_after_a_failure():
         written = json.loads(out.read_text())["results"]  # each row is written before the next case starts
-        assert [r["kernel"] for r in written] == ["double", "broken", "case 2"]
+        assert [r["kernel"] for r in written] == ["double", "broken", "big"]
         return ok
 
     def cannot_build():
         raise MemoryError("no room")
 
-    monkeypatch.setattr(bench, "cases", lambda smoke, rng: [lambda: ok, lambda: bad, cannot_build,
-                                                            built_after_a_failure])
+    monkeypatch.setattr(bench, "cases", lambda smoke, seed: [("double", lambda: ok), ("broken", lambda: bad),
+                                                             ("big", cannot_build), ("double", built_after_a_failure)])
     out = tmp_path / "bench.json"
     report = bench.run(True, 2, 0, out=str(out))
     rows = report["results"]
-    assert [r["kernel"] for r in rows] == ["double", "broken", "case 2", "double"]
+    assert [r["kernel"] for r in rows] == ["double", "broken", "big", "double"]
     assert rows[0]["max_abs_diff_vs_check"] == 0 and rows[0]["pallas_s"] > 0 and rows[3]["pallas_s"] > 0
     assert "TypeError" in rows[1]["error"] and "MemoryError: no room" in rows[2]["error"]
     assert json.loads(out.read_text())["results"] == json.loads(json.dumps(rows))
@@ -76,10 +76,30 @@ def test_a_failing_case_is_reported_and_the_run_goes_on(tmp_path, monkeypatch, c
     def faults(a):
         raise RuntimeError("INTERNAL: CUDA error: CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access")
 
-    monkeypatch.setattr(bench, "cases", lambda smoke, rng: [lambda: ok._replace(name="faulty", kernel=faults),
-                                                            lambda: ok])
+    faulty = ok._replace(name="faulty", kernel=faults)
+    monkeypatch.setattr(bench, "cases", lambda smoke, seed: [("faulty", lambda: faulty), ("double", lambda: ok)])
     after = bench.run(True, 1, 0)["results"]  # a faulted device context fails every later call: not run
     assert "ILLEGAL_ADDRESS" in after[0]["error"] and "faulted in faulty" in after[1]["skipped"]
+
+
+def test_only_builds_the_cases_it_selects_with_the_full_runs_inputs(monkeypatch):
+    """--only filters by name before building (the full-size MoE cases build 7 / 27 GB of expert stacks), and a
+    case draws the same inputs whether or not the cases before it ran."""
+    built = []
+    build = bench._mhc_case
+    monkeypatch.setattr(bench, "_mhc_case", lambda rng, name, **kw: built.append(name) or build(rng, name, **kw))
+    names = [name for name, _ in bench.cases(True, 0)]
+    assert len(names) == 8 and len(set(names)) == 8 and "mhc_post_pre T=5" in names
+    full = {name: make() for name, make in bench.cases(True, 3) if name.startswith(("mhc", "router"))}
+    assert built == ["mhc_post_pre T=5"]
+    alone = dict(bench.cases(True, 3))["mhc_post_pre T=5"]()
+    assert alone.name == "mhc_post_pre T=5"
+    for a, b in zip(jax.tree.leaves(alone.args), jax.tree.leaves(full["mhc_post_pre T=5"].args)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    monkeypatch.setattr(bench, "measure", lambda case, *a, **k: {"kernel": case.name, "error": "not timed here"})
+    built.clear()
+    rows = bench.run(True, 1, 0, only=("router",))["results"]
+    assert [r["kernel"] for r in rows] == ["router T=5"] and built == []
 
 
 def test_timed_inputs_are_rotated_copies_of_the_small_arrays(monkeypatch):
