@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The prepared run for a lent GPU (an H200), sized for one ~10-minute call: the kernels' benchmark, the served
-# step on the full-width slice preset (then a traced run of it, summarised per op), then the kernel tests compiled
-# for the device, each under its own time limit (KERNEL_BENCH_S, SLICE_S, PROFILE_S, TESTS_S), every result under
+# step on the full-width slice preset (then a traced run of it, summarised per op), the kernel tests compiled for
+# the device, then async scheduling against one step at a time, each under its own time limit (KERNEL_BENCH_S,
+# SLICE_S, PROFILE_S, TESTS_S, ASYNC_S), every result under
 # $OUT (default ./gpu_out; at most 8 files) as soon as it exists, so a run cut short keeps the steps that finished.
 # First run (2026-12-04): the slice's 13 programs compiled cold in 276 s; from JAX's cache in 31 s.
 # Needs a Python with jax's CUDA plugin (the device image's python3 has jax 0.11.2 + cuda13);
@@ -32,7 +33,7 @@ nproc | tee -a "$OUT/steps.log"
 
 step "kernels' benchmark at V4.1-Flash sizes (checked on the device against the slower path, then timed)"
 timeout -k 5 "${KERNEL_BENCH_S:-150}" "$PY" -m pallas_kernels.bench --reps 10 --max-seconds "${KERNEL_CASES_S:-120}" \
-    --only "${KERNEL_ONLY:-}" --out "$OUT/kernel_bench.json" 2>&1 | tee "$OUT/kernel_bench.txt"
+    --only "${KERNEL_ONLY:-}" --out "$OUT/kernel_bench.json" 2>&1 | tee -a "$OUT/steps.log"
 echo "rc ${PIPESTATUS[0]}" | tee -a "$OUT/steps.log"
 
 step "served step on v41-flash-slice (release formats, bf16): 8K prefill replay off / on, decode batch 1 / 8 / 64"
@@ -78,4 +79,9 @@ JAX_PLATFORMS=cuda XLA_FLAGS="" XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5
     "$PY" -m pytest -v -rf $workers tests/pallas_kernels > "$OUT/kernel_tests.txt" 2>&1
 echo "rc $?" | tee -a "$OUT/steps.log"
 grep -E "FAILED|passed|failed" "$OUT/kernel_tests.txt" | tail -15
+step "async scheduling against one step at a time: the engine's decode step on the small preset (float32)"
+timeout -k 5 "${ASYNC_S:-120}" "$PY" -m serving.bench.async_scheduling --model small --batches 8,64 --steps 24 \
+    --repeats 3 --compilation-cache-dir "$WORK/jax_cache" --out "$OUT/async_scheduling.json" 2>&1 \
+    | tail -12 | tee -a "$OUT/steps.log"
+echo "rc ${PIPESTATUS[0]}" | tee -a "$OUT/steps.log"
 step "done"
