@@ -13,7 +13,6 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 
 from dsv41 import weight_formats
 from dsv41.config import ModelConfig
@@ -33,6 +32,8 @@ def save_converted(folder: str | Path, config: ModelConfig, params: dict[tuple, 
     tree = {_key(p): v for p, v in params.items()}
     if token_map is not None:
         tree[_TOKEN_MAP] = np.asarray(token_map, np.int32)
+    import orbax.checkpoint as ocp  # here: the import costs ~0.3 s of every server start that reads no such folder
+
     ckpt = ocp.StandardCheckpointer()
     ckpt.save(folder / "params", tree, force=True)
     ckpt.wait_until_finished()
@@ -56,6 +57,8 @@ def load_converted(folder: str | Path, abstract: dict[tuple, jax.ShapeDtypeStruc
         n = json.loads((folder / "config.json").read_text())
         vocab = (n.get("text_config") or n)["vocab_size"]
         target[_TOKEN_MAP] = jax.ShapeDtypeStruct((vocab,), np.int32)
+    import orbax.checkpoint as ocp
+
     tree = ocp.StandardCheckpointer().restore(folder / "params", target)
     token_map = np.asarray(tree.pop(_TOKEN_MAP)) if _TOKEN_MAP in tree else None
     by_key = {_key(p): p for p in abstract}

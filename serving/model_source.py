@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import jax
+
 import dsv41
 from dsv41.api import fp8_engram_tables
 from dsv41.nano import NANO_DIR
@@ -32,10 +34,12 @@ class ModelArgs:
         "float32 for one stored in float32 and the test presets); on a CPU backend bfloat16 only where this CPU "
         "runs XLA's bf16 matmuls faster than float32 ones (AMX / AVX512-BF16; measured at start-up, "
         "dsv41.auto_dtype)")})
-    engram_cpu_offload: bool = field(default=True, metadata={
+    engram_cpu_offload: bool | None = field(default=None, metadata={
         "help": "keep a checkpoint's FP8 Engram tables in host memory, mapped from its files and shared by every "
-                "process on the host; each step gathers only its rows (vLLM's engram cpu_offload). Tables that "
-                "are not FP8 (unquantized checkpoints, presets) stay on the device"})
+                "process on the host; each step gathers only its rows (vLLM's engram cpu_offload), and steps go "
+                "one at a time (no async scheduling). Default: on for an accelerator (V4.1-Flash's tables are "
+                "203 GB), off on a CPU backend, whose device memory is host memory already. Tables that are not "
+                "FP8 (unquantized checkpoints, test presets) stay on the device"})
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -60,10 +64,16 @@ def load_model(args: ModelArgs, seed: int = 0, parallel=None, progress: bool = F
         from sharding.rules import param_sharding_fn
 
         shardings = param_sharding_fn(make_mesh(parallel))
-    src = _load(args.model, args.dtype, seed, args.engram_cpu_offload, shardings, progress)
+    src = _load(args.model, args.dtype, seed, engram_offload(args.engram_cpu_offload), shardings, progress)
     src.name = args.served_model_name or src.name
     src.description += f"; {_weights(src.model)}"
     return src
+
+
+def engram_offload(flag: bool | None) -> bool:
+    """`--[no-]engram-cpu-offload`, or where it is not given: host memory for an accelerator's tables; on a CPU
+    backend device arrays are host memory, so mapping the tables apart would only cost async scheduling."""
+    return flag if flag is not None else jax.default_backend() != "cpu"
 
 
 def _load_checkpoint(path: Path, dtype: str, engram_cpu_offload: bool, shardings, progress: bool) -> dsv41.Model:

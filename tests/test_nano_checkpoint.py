@@ -8,6 +8,7 @@ import numpy as np
 import dsv41
 from dsv41 import nano
 from dsv41.safetensors_io import open_checkpoint
+from serving import model_source
 from serving.model_source import DEFAULT_NAME, ModelArgs, load_model
 
 PASSAGES, LENGTH = 3, 512
@@ -54,3 +55,13 @@ def test_default_model_is_nano_austen_with_its_tokenizer():
     assert src.model.config.num_hidden_layers == 10 and src.model.config.vocab_size == 8192
     text = "Anne Elliot walked to Uppercross."
     assert src.tokenizer.decode(src.tokenizer.encode(text)) == text
+
+
+def test_engram_tables_stay_in_host_memory_by_default_only_on_an_accelerator(monkeypatch):
+    """On a CPU backend the default keeps nano-austen's FP8 tables as device arrays (host memory already; so the
+    default model serves async); the flag still maps them apart, and an accelerator's default does."""
+    assert load_model(ModelArgs()).model.engram_tables is None
+    assert load_model(ModelArgs(engram_cpu_offload=True)).model.engram_tables is not None
+    monkeypatch.setattr(model_source.jax, "default_backend", lambda: "gpu")
+    assert model_source.engram_offload(None) and not model_source.engram_offload(False)
+    assert load_model(ModelArgs()).model.engram_tables is not None

@@ -129,7 +129,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, title: str, *, exclude
         kind = _kind(cls, f.name, hints[f.name])
         kw: dict[str, Any] = {"dest": f.name, "default": f.default}
         if kind is bool:
-            kw["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
+            # default on, or None (decided later: "auto"): --flag / --no-flag; default off: --flag
+            kw["action"] = argparse.BooleanOptionalAction if f.default is not False else "store_true"
         elif kind is tuple:
             kw.update(type=_int_list, metavar="N,N,...")
         else:
