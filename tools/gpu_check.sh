@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The prepared run for a lent GPU (an H200), sized for one ~10-minute call: the kernels' benchmark, the served
-# step on the full-width slice preset (then a traced run of it, summarised per op), the kernel tests compiled for
-# the device, then async scheduling against one step at a time, each under its own time limit (KERNEL_BENCH_S,
-# SLICE_S, PROFILE_S, TESTS_S, ASYNC_S), every result under
-# $OUT (default ./gpu_out; at most 8 files) as soon as it exists, so a run cut short keeps the steps that finished.
+# The prepared run for a lent GPU (an H200), sized for one lease (~13 minutes of steps): the kernels' benchmark,
+# the served step on the full-width slice preset (then a traced run of it, summarised per op), the kernel tests
+# compiled for the device, then async scheduling against one step at a time, each under its own time limit
+# (KERNEL_BENCH_S, SLICE_S, PROFILE_S, TESTS_S, ASYNC_S), every result under $OUT (default ./gpu_out; at most 8
+# files) as soon as it exists, so a run cut short keeps the steps that finished.
 # First run (2026-12-04): the slice's 13 programs compiled cold in 276 s; from JAX's cache in 31 s.
+# The default limits add up to ~760 s, past one 600 s device call: lower some (e.g. SLICE_S, PROFILE_S) to reach the
+# last steps in one call, or run the rest in a second call on the warm machine.
 # Needs a Python with jax's CUDA plugin (the device image's python3 has jax 0.11.2 + cuda13);
 # flax / orbax wheels in .whl/ are installed first when that Python's are missing or too old. Scratch files (those
 # wheels, JAX's compile cache, traces) go to $WORK (default: a new temporary folder).
