@@ -96,6 +96,38 @@ def test_xla_reads_a_ring_decoded_up_front_as_one_decoded_per_tile(quantized):
     np.testing.assert_array_equal(np.asarray(per_tile), np.asarray(once), err_msg=msg)
 
 
+@pytest.mark.parametrize("quantized", [True, False])
+@pytest.mark.parametrize("scan_rows", [8, 32, 128])  # 1, 4 (a last step past the table) or all 6 blocks a step
+def test_xla_decodes_a_prefills_block_rows_once_up_front_as_per_tile(monkeypatch, quantized, scan_rows):
+    """Where a request's tiles would decode more blocks in their scans than its whole table holds (a prefill), the
+    XLA path decodes each request's table once, up front ([requests, blocks, rows, record] in one decode), else in
+    each tile's scan step ([blocks of a step, rows, record]): 9 tiles of 3 requests with 6 blocks each decode them
+    up front at 4 or 6 blocks a step (3 x 8 <= 9 x 4, 3 x 6 <= 9 x 6), per tile at 1 (3 x 6 > 9 x 1). Forced to
+    decode per tile (no room up front), the output is bit-equal."""
+    monkeypatch.setattr(sa, "SCAN_ROWS", scan_rows)
+    rng, msg = seeded_rng()
+    args = with_plan(make_case(rng, quantized=quantized), 2)  # 3 + 2 + 2 tiles (+ 2 padding) of 3 requests
+    assert args[6].tiles.count == 9 and args[6].block_table_RM.shape == (3, 6)
+    rpb, c = args[7].shape[1], min(6, max(1, scan_rows // 8))
+    shapes = []
+    decode = sa.records.decode_rows
+
+    def spy(kind, raw, d):
+        if kind == "nvfp4":
+            shapes.append(raw.shape[:-1])
+        return decode(kind, raw, d)
+
+    monkeypatch.setattr(sa.records, "decode_rows", spy)
+    once = jax.jit(lambda *a: sa.xla(*a))(*args)
+    per_step = {(c, rpb)}
+    assert set(shapes) == per_step if c == 1 else shapes == [(3, -(-6 // c) * c, rpb)], shapes
+    monkeypatch.setattr(sa, "SCAN_DECODED_BYTES", 0)
+    shapes.clear()
+    per_tile = jax.jit(lambda *a: sa.xla(*a))(*args)
+    assert set(shapes) == per_step, shapes
+    np.testing.assert_array_equal(np.asarray(per_tile), np.asarray(once), err_msg=msg)
+
+
 @pytest.mark.parametrize("tile", [None, 4])
 def test_xla_in_bfloat16_multiplies_in_bfloat16(tile):
     """bf16 queries and rows: the XLA path's products take bf16 operands with float32 sums (as the Pallas kernel;
