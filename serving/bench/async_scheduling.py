@@ -10,8 +10,8 @@ finish), so prefills and the drain are left out. The engines alternate round by 
 the host learns a token, never which token. Per batch: the median ms per step of each mode and async / step by
 step (below 1: async is faster). Prints a table, writes JSON.
 
-Async scheduling needs a model whose Engram tables are on the device (checkpoints: `--no-engram-cpu-offload`;
-the presets' random weights are): with host tables the engine steps one at a time and this bench says so.
+Async scheduling needs a V4.1 model's Engram tables on the device (with tables in host memory the host gathers
+their rows, so steps go one at a time): a checkpoint's are loaded as device arrays here, whatever the backend.
 
     python -m serving.bench.async_scheduling [--model small] [--batches 1,8,32] [--context 256] [--steps 32]
 """

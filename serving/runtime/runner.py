@@ -151,6 +151,7 @@ class Runner:
         self._graph = (graphdef, treedef)
         merge = functools.partial(_merge, graphdef, treedef)
         self.expert_counts = expert_counts
+        self._engram_hashing = None if model.engram is None else EngramHashing(model.engram, model.token_map)
         kw = dict(fake_quant=rc.fake_quant, expert_counts=expert_counts)
 
         def seg1(leaves, cache, carry_buf, b, prev_tokens=None, engram_terms=None):  # one rank's cache, carry, batch
@@ -230,10 +231,9 @@ class Runner:
         return self._build([ch], token_bucket=T, kept_bucket=T2)[0]
 
     def _build_rank(self, chunks: Sequence[SeqChunk], **forced) -> StepBatch:
-        engram = None if self.model.engram is None else EngramHashing(self.model.engram, self.model.token_map)
         batch = build_step(chunks, self.buckets, max_blocks=self.max_blocks, window=self.config.sliding_window,
                            block_size=self.layout.block_size, verify_rows=self.verify_rows,
-                           decoder_replay=self.decoder_replay, engram=engram, **forced)
+                           decoder_replay=self.decoder_replay, engram=self._engram_hashing, **forced)
         if self.model.engram_tables is not None:  # host tables: the step carries its rows, not their ids
             rows = self.model.engram_tables.gather(batch.rows.engram_TEc, valid=batch.rows.valid_T)  # no padding
             batch = dataclasses.replace(batch, rows=dataclasses.replace(batch.rows, engram_TEc=rows,
