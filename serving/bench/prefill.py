@@ -33,6 +33,7 @@ from serving.bench.roofline import MatmulProbe, StreamProbe, decode_weight_bytes
 from serving.engine.profiler import profiling
 from serving.runtime.batch import SeqChunk
 from serving.runtime.config import RuntimeConfig
+from serving.runtime.kv_cache import FORMATS
 from serving.runtime.host_memory import keep_freed_memory
 from serving.runtime.runner import Runner, enable_compilation_cache
 
@@ -51,7 +52,7 @@ def _runner(model, args, lengths, bounded: bool) -> Runner:
                        block_size=args.block_size, swa_bounded_replay=bounded,
                        token_buckets=tuple(sorted(set(lengths) | set(args.decode_batches)
                                                   | {args.decode_context, model.config.sliding_window})),
-                       kernel_impl=args.kernel_impl)
+                       kernel_impl=args.kernel_impl, kv_cache_dtype=args.kv_cache_dtype)
     return Runner(model, rc, progress=not args.quiet)
 
 
@@ -151,6 +152,8 @@ def main(argv=None) -> int:
                          "at load")
     ap.add_argument("--kernel-impl", default="auto", choices=IMPLS,
                     help="the fused ops' implementation (auto: Pallas on a GPU, XLA elsewhere)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=FORMATS,
+                    help="the KV records (auto: the compute dtype; release: FP8 SWA / NVFP4 global / MXFP4 indexer)")
     ap.add_argument("--compilation-cache-dir", default="",
                     help="JAX's persistent compile cache: a program both runners share compiles once")
     ap.add_argument("--out", default="bench_prefill.json")
@@ -166,7 +169,8 @@ def main(argv=None) -> int:
              else dsv41.load(args.model, dtype=args.dtype, weights=args.weights))
     vocab = model.config.vocab_size
     matmul, stream = MatmulProbe(args.dtype), StreamProbe()
-    result = {"model": args.model, "dtype": args.dtype, "repeats": args.repeats, "prefill": {}, "decode": {},
+    result = {"model": args.model, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "repeats": args.repeats,
+              "prefill": {}, "decode": {},
               "compile_seconds": {}}
     runners = {}
     for bounded in (False, True):
@@ -196,8 +200,8 @@ def main(argv=None) -> int:
             "runs_s": times, "stream_bytes_s": rates, "weight_bytes_per_step": nbytes,
             "weight_read_floor_s": nbytes / statistics.median(rates),
             "step_over_floor": statistics.median(t * f / nbytes for f, t in zip(rates, times))}
-    lines = [f"prefill, {args.model} ({args.dtype}), median of {args.repeats} after warm-up, replay off and on "
-             f"alternated run by run, compile excluded; "
+    lines = [f"prefill, {args.model} ({args.dtype}, KV {args.kv_cache_dtype}), median of {args.repeats} after warm-up, "
+             f"replay off and on alternated run by run, compile excluded; "
              f"roofline = the FLOPs the mode runs (replay on: the layers after the CED cut on the last window "
              f"rows) at the {args.dtype} matmul rate probed before each run",
              f"{'tokens':>7} {'GFLOP':>7} {'replay off (s)':>15} {'of roofline':>12} {'GFLOP on':>9} "

@@ -74,14 +74,15 @@ def test_alternate_warms_every_mode_then_runs_them_in_turn_each_after_a_probe():
 
 def test_only_the_decoding_runner_compiles_decode_buckets():
     """The replay-off runner only prefills: its buckets are the prompt lengths' (and the sampler), while the
-    replay-on runner adds the decode batches and the decode context's prefill; each is one of the runner's own."""
+    replay-on runner adds the decode batches and the decode context's prefill; each is one of the runner's own.
+    Both keep the KV records `--kv-cache-dtype` names."""
     from argparse import Namespace
 
     from serving.bench.prefill import _keys, _runner
 
     m = dsv41.random_model("tiny", seed=0)
     args = Namespace(decode_batches=[1, 4], decode_context=48, decode_steps=2, block_size=16, kernel_impl="xla",
-                     quiet=True)
+                     kv_cache_dtype="release", quiet=True)
     off, on = (_runner(m, args, [64], bounded) for bounded in (False, True))
     keys_off, keys_on = _keys(off, [64], args, decodes=False), _keys(on, [64], args, decodes=True)
     assert keys_off == [("sample",), ("seg1", 64), ("seg2", 64)]
@@ -90,6 +91,7 @@ def test_only_the_decoding_runner_compiles_decode_buckets():
     assert {("seg1", t) for t in T | {48, 64}} | {("seg2", t) for t in T | {on.buckets.token_bucket(W)}} \
         | {("sample",)} == set(keys_on)
     assert set(keys_on) <= set(on.bucket_keys()) and set(keys_off) <= set(off.bucket_keys())
+    assert on.layout.fmt == off.layout.fmt == "release"
 
 
 def test_prefill_flops_with_decoder_replay_run_the_layers_after_the_cut_on_the_last_rows():
