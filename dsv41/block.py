@@ -83,10 +83,11 @@ def attention_input(block: Block, c: ModelConfig, s: Streams, engram_hashes: jax
     return R, mix, block.attn_norm(u)
 
 
-def ffn_and_output(block: Block, c: ModelConfig, R: jax.Array, mix: HcMix, y: jax.Array, ids_T: jax.Array
-                   ) -> tuple[Streams, jax.Array]:
+def ffn_and_output(block: Block, c: ModelConfig, R: jax.Array, mix: HcMix, y: jax.Array, ids_T: jax.Array,
+                   valid_T: jax.Array | None = None) -> tuple[Streams, jax.Array]:
     """Write the attention output into the streams, run the FFN sublayer: the next Streams, and the MoE's
-    expert choices [T, k] (for load counting; unused outputs cost nothing in a compiled graph)."""
+    expert choices [T, k] (for load counting; unused outputs cost nothing in a compiled graph). valid_T [T]: the
+    rows the routed experts run on (`MoE.routed`; None: all)."""
     if c.delayed_pre:
         R, x = _post_collapse_norm(block, block.ffn_norm, R, mix, y, mix.pre)
         mix = block.hc_ffn(R)
@@ -95,7 +96,7 @@ def ffn_and_output(block: Block, c: ModelConfig, R: jax.Array, mix: HcMix, y: ja
         mix = block.hc_ffn(R)
         x = block.ffn_norm(hc_collapse(R, mix.pre))
     with jax.named_scope("moe"):
-        y, choices_Tk = block.ffn.routed(x, ids_T)
+        y, choices_Tk = block.ffn.routed(x, ids_T, valid_T)
     if c.delayed_pre:
         return Streams(R, mix.pre, (mix, y)), choices_Tk
     return Streams(hc_post(R, mix, y), mix.pre, None), choices_Tk

@@ -201,7 +201,8 @@ def xla(x_TD, ids_TK, weights_TK, w1, w3, w2, *, limit: float, out_dtype=jnp.flo
       decoded experts: the rows actually routed plus at most tile - 1 padding rows per expert, decoding only the
       experts the routing touches. Default tile (`xla_tile`): the mean rows per expert rounded up to a power of two.
     - per pair: a step whose (token, choice) pairs' decoded weights fit GATHER_BYTES (a decode step of a few
-      rows of a small model) gathers each pair's expert: three batched matrix-vector products.
+      rows of a small model) gathers each pair's expert: three batched matrix-vector products; its trailing
+      padding rows (ids dropped) are skipped (`_per_pair`).
 
     Steps of few rows per expert (float weights, a batched capacity <= SMALL_STEP_MAX_ROWS: decode steps) take
     the form `small_steps` names: "rule" (batched), one of SMALL_STEP_FORMS, or "tune" (the serving runtime's
@@ -362,20 +363,47 @@ def _experts(w, e: jax.Array, cdt) -> jax.Array:
 GATHER_BYTES = 16 << 20  # decoded float32 expert weights a per-pair step may gather at once
 
 
+SKIP_PAD_ROWS = 8  # steps of at most this many rows (decode) skip their trailing padding rows in the per-pair form
+
+
 def _per_pair(x_TD, ids_TK, weights_TK, w1, w3, w2, limit: float, out_dtype, cdt):
-    """Every (token, choice) pair with its own expert's weights gathered [P, O, In] (dropped ids weigh 0)."""
+    """Every (token, choice) pair with its own expert's weights gathered [P, O, In] (dropped ids weigh 0).
+
+    A step of at most SKIP_PAD_ROWS rows computes only its first n: the rows up to the last one holding a routed
+    pair, rounded up to a power of two (at most T; one compiled branch each), so a decode step's padding rows,
+    whose ids the caller dropped (`MoE.routed`'s valid_T), gather and multiply nothing (a batch of one padded to
+    two rows: half the pairs). Not for longer steps: a branch per size would multiply the program."""
     T, k = ids_TK.shape
+    if T > SKIP_PAD_ROWS:
+        return _sum_slots(_pairs(x_TD, ids_TK, weights_TK, w1, w3, w2, limit, cdt), T, k, out_dtype)
     E = w1.shape[0]
+    sizes = sorted({min(T, 1 << i) for i in range(T.bit_length() + 1)})  # 1, 2, 4, ..., T
+    live_T = jnp.any((ids_TK >= 0) & (ids_TK < E), axis=1)
+    n_live = jnp.max(jnp.where(live_T, jnp.arange(1, T + 1), 0))
+    branch = jnp.sum(jnp.asarray(sizes[:-1]) < n_live)  # the smallest size holding the live rows
+
+    def first_rows(n: int):
+        def run() -> jax.Array:
+            y = _pairs(x_TD[:n], ids_TK[:n], weights_TK[:n], w1, w3, w2, limit, cdt)
+            return jnp.pad(y, ((0, (T - n) * k), (0, 0)))
+        return run
+
+    y_PD = jax.lax.switch(branch, [first_rows(n) for n in sizes]) if len(sizes) > 1 else first_rows(T)()
+    return _sum_slots(y_PD, T, k, out_dtype)
+
+
+def _pairs(x_TD, ids_TK, weights_TK, w1, w3, w2, limit: float, cdt) -> jax.Array:
+    """Every pair's output row [T*k, D] float32, each through its own gathered expert: three batched
+    matrix-vector products."""
+    k, E = ids_TK.shape[1], w1.shape[0]
     ids = ids_TK.reshape(-1).astype(jnp.int32)
     e = jnp.clip(ids, 0, E - 1)
     rw = jnp.where((ids >= 0) & (ids < E), weights_TK.reshape(-1).astype(jnp.float32), 0.0)
-
     mv = functools.partial(jnp.einsum, "pi,poi->po", preferred_element_type=jnp.float32,
                            precision=product_precision(cdt))
     x = jnp.repeat(x_TD.astype(cdt), k, axis=0)  # [P, D]
     h = (_swiglu(mv(x, _experts(w1, e, cdt)), mv(x, _experts(w3, e, cdt)), limit) * rw[:, None]).astype(cdt)
-    y = mv(h, _experts(w2, e, cdt))  # [P, D] float32
-    return _sum_slots(y, T, k, out_dtype)
+    return mv(h, _experts(w2, e, cdt))
 
 
 def _batched_then_tiles(x_TD, ids_TK, weights_TK, w1, w3, w2, limit: float, cdt, C: int, tiles_per_step: int, *,

@@ -72,12 +72,12 @@ class ExpertDispatch:
         T = x_TD.shape[0]
         if hasattr(experts, "eplb_replicas"):  # EPLB placement: each choice -> one replica of its expert
             replicas, count = experts.eplb_replicas[...], experts.eplb_replica_count[...]
-            sel_Tk = replicas[sel_Tk, jnp.arange(T)[:, None] % count[sel_Tk]]
+            sel_Tk = jnp.where(sel_Tk >= 0, replicas[sel_Tk, jnp.arange(T)[:, None] % count[sel_Tk]], -1)
         n_split = axis_size(self.mesh, split)
         T_pad = -(-T // n_split) * n_split
         pad = ((0, T_pad - T), (0, 0))
-        x, sel, w = jnp.pad(x_TD, pad), jnp.pad(sel_Tk, pad), jnp.pad(weights_Tk, pad)
-        valid = jnp.arange(T_pad) < T
+        x, sel, w = jnp.pad(x_TD, pad), jnp.pad(sel_Tk, pad, constant_values=-1), jnp.pad(weights_Tk, pad)
+        valid = jnp.all(sel >= 0, axis=1)  # not this padding, nor the step's own (`MoE.routed` drops whole rows)
         if gather:  # the ranks sharing this rank's expert-intermediate slices: their tokens too
             x, sel, w, valid = (jax.lax.all_gather(a, gather, tiled=True) for a in (x, sel, w, valid))
         tok, e_spec = P(split, None), P(split, inter, None)

@@ -148,3 +148,21 @@ def test_grouped_output_projection_forms_agree(monkeypatch, dtype):
         np.testing.assert_array_equal(outs[0], outs[1])
     else:
         np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [2, 64])  # the per-pair form; the batched form of a prefill
+def test_moe_rows_outside_valid_get_the_shared_expert_only(tiny, rows):
+    """`MoE.routed` with valid_T (a serving step's padding rows): the valid rows' outputs are the unmasked
+    call's bit for bit, the others the shared expert's alone; the router's choices are returned for every row."""
+    moe = tiny.module.layers[1].ffn
+    x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, tiny.config.hidden_size)), tiny.dtype)
+    ids = jnp.asarray(np.random.default_rng(1).integers(3, 512, rows), jnp.int32)
+    valid = jnp.arange(rows) % 3 != 1 if rows > 2 else jnp.asarray([True, False])
+    y, sel = moe.routed(x, ids)
+    y_masked, sel_masked = moe.routed(x, ids, valid)
+    np.testing.assert_array_equal(np.asarray(sel_masked), np.asarray(sel))
+    v = np.asarray(valid)
+    np.testing.assert_array_equal(np.asarray(y_masked)[v], np.asarray(y)[v])
+    shared = np.asarray(moe.shared_experts(x).astype(x.dtype))
+    np.testing.assert_array_equal(np.asarray(y_masked)[~v], shared[~v])
+    assert np.abs(np.asarray(y)[~v] - shared[~v]).max() > 1e-3  # unmasked, the same rows route

@@ -159,12 +159,18 @@ class MoE(nnx.Module):
     def __call__(self, x_TD: jax.Array, ids_T: jax.Array) -> jax.Array:
         return self.routed(x_TD, ids_T)[0]
 
-    def routed(self, x_TD: jax.Array, ids_T: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def routed(self, x_TD: jax.Array, ids_T: jax.Array, valid_T: jax.Array | None = None
+               ) -> tuple[jax.Array, jax.Array]:
         """(output [T, D], the router's logical expert choices [T, k] - before any EPLB replica mapping, what
-        the expert load balancer counts)."""
+        the expert load balancer counts).
+
+        valid_T [T] bool: the rows to route (a serving step's real rows); the others (its padding, whose output
+        nobody reads) get the shared expert only: their choices are dropped (id -1) before the routed experts,
+        so they add no expert weights to a decode step's reads nor pairs to its products."""
         sel, weights = self.gate(x_TD, ids_T)
+        routed_sel = sel if valid_T is None else jnp.where(valid_T[:, None], sel, -1)
         if self.routed_compute is not None:
-            routed = self.routed_compute(self.experts, x_TD, sel, weights)
+            routed = self.routed_compute(self.experts, x_TD, routed_sel, weights)
         else:
-            routed = self.experts(x_TD, sel, weights)
+            routed = self.experts(x_TD, routed_sel, weights)
         return (routed + self.shared_experts(x_TD)).astype(x_TD.dtype), sel

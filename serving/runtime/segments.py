@@ -171,7 +171,7 @@ def segment1(module, layout: CacheLayout, cache: dict, carry_buf: SegmentCarry |
             R, mix, x = attention_input(block, c, s, rows.engram_TEc)
             with jax.named_scope("attn"):
                 y, cache = layers.attend(block, x, at, cache)
-            s, sel = ffn_and_output(block, c, R, mix, y, rows.ids_T)
+            s, sel = ffn_and_output(block, c, R, mix, y, rows.ids_T, rows.valid_T)
             choices.append(sel)
     block = module.layers[cut]
     with jax.named_scope(f"layer_{cut}_kv_path"):
@@ -209,7 +209,7 @@ def segment2(module, layout: CacheLayout, cache: dict, carry_buf: SegmentCarry, 
         with jax.named_scope("attn"):
             y, cache = layers.attend(block, carry.x_TD, at, cache,
                                      cut_kv=_CutKV(carry.kv_Td, carry_buf.kv_Td, kept.row_K))
-        s, sel = ffn_and_output(block, c, carry.R_TnD, carry.mix, y, carry.ids_T)
+        s, sel = ffn_and_output(block, c, carry.R_TnD, carry.mix, y, carry.ids_T, kept.valid_K)
         choices.append(sel)
     at = at._replace(floor_R=req.decoder_floor_R)
     targets = c.dspark_target_layer_ids if layout.draft_stages else ()
@@ -221,7 +221,7 @@ def segment2(module, layout: CacheLayout, cache: dict, carry_buf: SegmentCarry, 
             R, mix, x = attention_input(block, c, s)
             with jax.named_scope("attn"):
                 y, cache = layers.attend(block, x, at, cache)
-            s, sel = ffn_and_output(block, c, R, mix, y, carry.ids_T)
+            s, sel = ffn_and_output(block, c, R, mix, y, carry.ids_T, kept.valid_K)
             choices.append(sel)
     if targets:
         with jax.named_scope("draft_context"):  # each request's last `window` rows: what a later draft reads

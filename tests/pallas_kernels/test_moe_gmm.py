@@ -79,6 +79,35 @@ def test_xla_and_pallas_match_reference(kind):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_per_pair_form_skips_trailing_rows_without_routed_pairs(dtype):
+    """A decode step's padding rows come with every id dropped (`MoE.routed`'s valid_T): the per-pair form
+    computes the rows up to the last live one, rounded up to a power of two, only - the live rows' bits those rows
+    give alone, exact zeros for the dropped ones, even where their x is NaN when they are skipped (a weight-0
+    product would spread it) - and a dropped row between live ones weighs 0 as before."""
+    rng, msg = seeded_rng()
+    k = 3
+    w1, w3, w2 = (a.astype(dtype) for a in float_weights(rng))
+    x = jnp.asarray(rng.standard_normal((4, D)), dtype)
+    ids = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(4)]), jnp.int32)
+    w = jnp.asarray(rng.uniform(0.1, 1.0, (4, k)), jnp.float32)
+    per_pair = jax.jit(lambda x, ids, w: moe_gmm.xla(x, ids, w, w1, w3, w2, limit=LIMIT))
+    assert 4 * k * 3 * I * D * 4 <= moe_gmm.GATHER_BYTES  # the per-pair form
+    for live in (1, 2, 3):
+        dead = jnp.arange(4)[:, None] >= live
+        skipped = dead & (live in (1, 2))  # 3 live rows run as 4
+        got = per_pair(jnp.where(skipped, jnp.nan, x).astype(dtype), jnp.where(dead, -1, ids), w)
+        alone = per_pair(x[:live], ids[:live], w[:live])
+        np.testing.assert_array_equal(np.asarray(got[:live]), np.asarray(alone), f"{msg} {live} live rows")
+        assert not np.asarray(got[live:]).any(), f"{msg}: dropped rows after {live} live ones"
+    middle = jnp.asarray([[True], [False], [True], [False]])
+    got = per_pair(x, jnp.where(middle, ids, -1), w)
+    want = moe_gmm.reference(x, jnp.where(middle, ids, -1), w, w1, w3, w2, limit=LIMIT)
+    assert_close(got, want, f"{msg} a dropped row between live ones", rtol=2e-2 if dtype == jnp.bfloat16 else 1e-5,
+                 atol=2e-2 if dtype == jnp.bfloat16 else 1e-5)
+    assert not np.asarray(got[1::2]).any()
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("kind", ["random", "one_expert_all_tokens", "duplicates"])
 def test_small_step_forms_agree(dtype, kind, monkeypatch):
     """A step of few rows per expert in each of SMALL_STEP_FORMS (what the tuner picks between; one expert holding
