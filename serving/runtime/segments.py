@@ -231,8 +231,12 @@ def segment2(module, layout: CacheLayout, cache: dict, carry_buf: SegmentCarry, 
     with jax.named_scope("logits"):
         R, pre = final_streams(s)
         h_TD = module.norm(module.hc_head(R) if module.hc_head is not None else hc_collapse(R, pre))
+        # The step's requests are the first rows of logit_row_R, each with a kept row of its own: the head runs on
+        # at most the kept rows' count of them (a decode of one request: 2 rows, not max_num_seqs), zeros below.
         rows_R = kept.logit_row_R
-        logits = module.head(h_TD[rows_R.reshape(-1)], jnp.float32).reshape(*rows_R.shape, -1)
+        n = min(rows_R.shape[0], h_TD.shape[0])
+        logits = module.head(h_TD[rows_R[:n].reshape(-1)], jnp.float32).reshape(n, *rows_R.shape[1:], -1)
+        logits = jnp.pad(logits, ((0, rows_R.shape[0] - n),) + ((0, 0),) * (logits.ndim - 1))
     with jax.named_scope("prompt_logprobs"):  # the head on every kept row, only when a chunk asks
         rows = jax.lax.cond(jnp.any(kept.prompt_next_K >= 0),
                             lambda: _prompt_logprobs(module, h_TD, jnp.maximum(kept.prompt_next_K, 0)),
