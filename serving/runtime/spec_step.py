@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from serving.runtime import draft, rollback
 from serving.runtime.kv_cache import CacheLayout
-from serving.runtime.sampler import target_logprobs, top_logprobs
+from serving.runtime.sampler import target_logprobs, token_logprobs, top_logprobs
 from serving.runtime.speculative import SpeculativeConfig, verify
 
 
@@ -65,9 +65,8 @@ def finish(module, layout: CacheLayout, spec: SpeculativeConfig, cache: dict, ta
     emitted, n = verify(logp.reshape(R, J, V), greedy, s.drafts_RK, q_buf_SBV[s.slot_R, :K], s.n_draft_R,
                         p["seed"], s.row0_pos_R, method=method,
                         synthetic_rate=spec.synthetic_rate if method == "synthetic" else 0.0)
-    raw = jax.nn.log_softmax(logits_RJV.astype(jnp.float32), axis=-1)
-    logprob = jnp.take_along_axis(raw, emitted[..., None], axis=-1)[..., 0]
-    top_lp, top_ids = top_logprobs(raw, p["logprobs"])  # only when a row asks for them
+    logprob = token_logprobs(logits_RJV, emitted)
+    top_lp, top_ids = top_logprobs(logits_RJV, p["logprobs"])  # only when a row asks for them
     committed = {src: rows[s.first_row_R + n] for src, rows in tail_rows.items()}
     cache = rollback.restore(layout, cache, snap, s.slot_R, s.row0_pos_R, s.block_table_RM, s.n_draft_R, n,
                              committed)

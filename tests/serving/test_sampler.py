@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from serving.runtime.sampler import sample, sampling_arrays
+from serving.runtime.sampler import sample, sampling_arrays, token_logprobs, top_logprobs
 from serving.runtime.sampling_params import MAX_LOGPROBS, SamplingParams
 
 V = 300
@@ -39,6 +39,23 @@ def test_top_logprobs_are_the_most_likely_tokens():
     np.testing.assert_allclose(np.asarray(lp), np.take_along_axis(ref, order, 1), rtol=1e-5)
     _, _, ids, lp = f(jnp.asarray(logits), sampling_arrays(asks[1:] + asks[1:2], [0] * 3, 3, 0), max_top_k=64)
     assert not np.asarray(ids).any() and not np.asarray(lp).any()
+
+
+def test_logprobs_are_jax_log_softmax_bit_for_bit():
+    """The picked tokens' logprobs without the [..., V] log-probabilities, and the top logprobs of the logits, are
+    jax.nn.log_softmax's bits (rows with -inf entries and wide ranges; [R, V] and the speculative [R, J, V])."""
+    rng = np.random.default_rng(5)
+    for shape in ((6, 8192), (3, 4, V)):
+        x = rng.standard_normal(shape).astype(np.float32) * rng.choice([0.1, 3.0, 60.0], shape[:-1])[..., None]
+        x[0, ..., :7] = -np.inf
+        x, tok = jnp.asarray(x), jnp.asarray(rng.integers(7, shape[-1], shape[:-1]), jnp.int32)
+        logp = jax.jit(lambda x: jax.nn.log_softmax(x, axis=-1))(x)
+        want = jnp.take_along_axis(logp, tok[..., None], axis=-1)[..., 0]
+        np.testing.assert_array_equal(np.asarray(jax.jit(token_logprobs)(x, tok)), np.asarray(want))
+        top_lp, top_ids = jax.jit(top_logprobs)(x, jnp.ones(shape[0], jnp.int32))
+        want_lp, want_ids = jax.lax.top_k(logp, MAX_LOGPROBS)
+        np.testing.assert_array_equal(np.asarray(top_lp), np.asarray(want_lp))
+        np.testing.assert_array_equal(np.asarray(top_ids), np.asarray(want_ids))
 
 
 def test_filters_restrict_the_choice():
