@@ -115,7 +115,9 @@ def test_formats_read_off_the_parameters_are_those_of_the_checkpoint(tiny_dir):
 
 def test_the_cpu_bfloat16_probe_agrees_with_the_measured_matmul_rates():
     """`cpu_prefers_bfloat16` against the roofline bench's own probes (a larger dot, medians of 5): where bf16 is
-    clearly faster (AMX) it says yes, where it is slower (AVX2) no; a near tie is the margin's call, not tested."""
+    clearly faster (AMX) it says yes, where it is clearly slower (AVX2: ~0.7) no; a near tie either way is the margin's
+    call and the machine's load (an AVX512-BF16 EPYC under the suite's other worker: 0.96 against a probe that had
+    just seen bf16 1.25x faster), not tested."""
     from serving.bench.roofline import MatmulProbe
 
     api.cpu_prefers_bfloat16.cache_clear()
@@ -123,7 +125,7 @@ def test_the_cpu_bfloat16_probe_agrees_with_the_measured_matmul_rates():
     assert api.cpu_prefers_bfloat16() is prefers  # measured once per process
     probes = {dt: MatmulProbe(dt) for dt in ("float32", "bfloat16")}
     ratio = np.median([probes["bfloat16"]() for _ in range(5)]) / np.median([probes["float32"]() for _ in range(5)])
-    if 1.0 <= ratio <= 2 * api.BF16_MARGIN:
+    if 1 / api.BF16_MARGIN <= ratio <= 2 * api.BF16_MARGIN:
         pytest.skip(f"bf16 / f32 matmul rate {ratio:.2f}: too close to the margin to judge on this machine")
     assert prefers == (ratio > 1.0), f"bf16 / f32 matmul rate {ratio:.2f}"
 
