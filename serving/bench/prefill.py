@@ -60,12 +60,14 @@ def _keys(r: Runner, lengths, args, decodes: bool) -> list[tuple]:
     """The buckets the runner's prefills (and, for the runner that `decodes`, the decode steps and their context's
     prefills) run: nothing else is compiled."""
     keys = set()
+    S = r.rc.max_num_seqs
     for L in list(lengths) + ([args.decode_context] if decodes else []):
-        keys |= {("seg1", L), ("seg2", r.buckets.token_bucket(min(L, _decoder_rows(r) or L)))}
+        K = r.buckets.token_bucket(min(L, _decoder_rows(r) or L))
+        keys |= {("seg1", L), ("seg2", K), ("sample", min(S, K))}
     for B in args.decode_batches if decodes else []:
         T = r.buckets.token_bucket(B)
-        keys |= {("seg1", T), ("seg2", T)}
-    return sorted(keys | {("sample",)})
+        keys |= {("seg1", T), ("seg2", T), ("sample", min(S, T))}
+    return sorted(keys)
 
 
 def prefill_run(r: Runner, L: int, bounded: bool, vocab: int) -> Callable[[int], float]:

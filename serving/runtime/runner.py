@@ -39,7 +39,7 @@ from serving.runtime.decoder_replay import kept_rows
 from serving.runtime.encoder_replay import replay_length
 from serving.runtime.exe_cache import ExecutableCache, arg_tree
 from serving.runtime.kv_cache import CacheLayout
-from serving.runtime.sampler import sample, sampling_arrays
+from serving.runtime.sampler import sample_rows, sampling_arrays
 from serving.runtime.sampling_params import SamplingParams
 from serving.runtime.speculative import SpeculativeConfig
 
@@ -176,7 +176,9 @@ class Runner:
             spec = jax.eval_shape(lambda lv, ca, b: seg1(lv, ca, None, b)[1], self._leaves, self.layout.shapes(), b1)
             if self.exe_cache:
                 self.exe_cache.put_value("carry", spec)
-        sample_fn = functools.partial(sample, max_top_k=rc.max_top_k)
+        # The sampler runs on each rank's first n logit rows, n a bucket of the step's requests (`sample_rows`).
+        self.sample_rows = tuple(sorted({min(rc.max_num_seqs, t) for t in self.buckets.tokens}))
+        samplers = {n: _sampler(n, self.ranks, rc.max_top_k) for n in self.sample_rows}
         # Segment 1 takes the previous step's sampled tokens (async scheduling; zeros when no row reads them) and,
         # with Engram hash ids, every token's hash term (the device finishes a pending row's ids): on a mesh both
         # replicated, each rank reading its rows' tokens by their global sampled row.
@@ -196,12 +198,13 @@ class Runner:
                 "seg2": jax.jit(_named(placement.per_rank(seg2, self._leaves, ("cache", "rows", "rows", "sum")),
                                        "segment2"),
                                 donate_argnums=1, out_shardings=(cache_sh, rows2, rep, rep)),
-                "sample": jax.jit(sample_fn, in_shardings=(rows2, rep), out_shardings=rep)}
+                **{("sample", n): jax.jit(f, in_shardings=(rows2, rep), out_shardings=rep)
+                   for n, f in samplers.items()}}
         else:
             self.carry_buf = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), spec)
             self._fns = {"seg1": jax.jit(_named(_one_rank(seg1), "segment1"), donate_argnums=(1, 2)),
                          "seg2": jax.jit(_named(_one_rank(seg2), "segment2"), donate_argnums=1),
-                         "sample": jax.jit(sample_fn)}
+                         **{("sample", n): jax.jit(f) for n, f in samplers.items()}}
         if self.spec:
             J, spec = self.verify_rows, self.spec
 
@@ -266,7 +269,7 @@ class Runner:
         """The devices a compiled program runs on, in its order: the mesh's (a concrete one), or the one device."""
         return list(self.placement.mesh.devices.flat) if self.placement else list(self._leaves[0].devices())
 
-    def _compile(self, key: tuple, fn: str, *args) -> None:
+    def _compile(self, key: tuple, fn: str | tuple, *args) -> None:
         t = time.perf_counter()
         spec = jax.tree.map(_spec, args)
         exe = self.exe_cache.load(key, spec, self._exe_devices()) if self.exe_cache else None
@@ -279,7 +282,10 @@ class Runner:
 
     def bucket_keys(self) -> list[tuple]:
         T = self.buckets.tokens
-        last = [(f, r) for r in self.spec_rows for f in ("snapshot", "spec")] if self.spec else [("sample",)]
+        if self.spec:
+            last = [(f, r) for r in self.spec_rows for f in ("snapshot", "spec")]
+        else:
+            last = [("sample", n) for n in self.sample_rows]
         return [("seg1", t) for t in T] + [("seg2", t) for t in T] + last
 
     def essential_keys(self) -> list[tuple]:
@@ -348,7 +354,7 @@ class Runner:
         elif name == "sample":
             R, V = self.ranks * self.rc.max_num_seqs, self.config.vocab_size
             p = sampling_arrays([], [], R, 0)
-            self._compile(key, "sample", jax.ShapeDtypeStruct((R, V), jnp.float32), p)
+            self._compile(key, key, jax.ShapeDtypeStruct((R, V), jnp.float32), p)
         elif name == "snapshot" and self.spec:
             self._compile(key, "snapshot", self.cache, self._spec_inputs([], self._example(1, 1), key[1]))
         elif name == "spec" and self.spec:
@@ -359,8 +365,8 @@ class Runner:
             self._compile(key, "spec", self._leaves, self.cache, self.carry_buf, snap, self.q_buf, logits, s,
                           sampling_arrays([], [], key[1], 0))
         else:
-            raise ValueError(f"unknown bucket key {key}; keys are ('seg1', T), ('seg2', T) and ('sample',), or with "
-                             "speculative decoding ('snapshot', requests) and ('spec', requests)")
+            raise ValueError(f"unknown bucket key {key}; keys are ('seg1', T), ('seg2', T) and ('sample', requests), "
+                             "or with speculative decoding ('snapshot', requests) and ('spec', requests)")
 
     def _exe_for(self, key: tuple):
         exe = self._exe.get(key)
@@ -507,7 +513,8 @@ class Runner:
                 row_banned[r] = list(banned[i])
         p = sampling_arrays(row_params, row_pos, n_rows, self.rc.seed, banned=row_banned)
         with jax.profiler.TraceAnnotation("runner.sample"):
-            sampled = self._exe_for(("sample",))(seg.logits, self._put_replicated(p))
+            n = self._bucket("sample", min(self.rc.max_num_seqs, seg.kept.row_K.shape[1]), self.sample_rows)
+            sampled = self._exe_for(("sample", n))(seg.logits, self._put_replicated(p))
         return LaunchedStep(list(chunks), seg, tuple(sampled))
 
     def collect(self, launched: LaunchedStep) -> StepOutput:
@@ -580,6 +587,14 @@ def _smallest_bucket(dtype) -> int:
     """1 row, but 2 for bfloat16 on XLA:CPU: a 1-row bf16 dot misses YNNPACK's matmul (AMX) path and runs ~10x
     slower than a 2-row one ([1, 4096] x [4096, 4096]: 18.9 vs 1.8 ms on this AMX CPU), so a decode of one pads."""
     return 2 if jnp.dtype(dtype) == jnp.bfloat16 and jax.default_backend() == "cpu" else 1
+
+
+def _sampler(rows: int, ranks: int, max_top_k: int):
+    """`sample_rows` on `rows` requests per rank, named `sample` (`jit_sample` in profiles)."""
+    def sample(logits_RV, p):
+        return sample_rows(logits_RV, p, rows=rows, ranks=ranks, max_top_k=max_top_k)
+
+    return sample
 
 
 def _named(fn, name: str):

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from serving.runtime.sampler import sample, sampling_arrays, token_logprobs, top_logprobs
+from serving.runtime.sampler import sample, sample_rows, sampling_arrays, token_logprobs, top_logprobs
 from serving.runtime.sampling_params import MAX_LOGPROBS, SamplingParams
 
 V = 300
@@ -56,6 +56,25 @@ def test_logprobs_are_jax_log_softmax_bit_for_bit():
         want_lp, want_ids = jax.lax.top_k(logp, MAX_LOGPROBS)
         np.testing.assert_array_equal(np.asarray(top_lp), np.asarray(want_lp))
         np.testing.assert_array_equal(np.asarray(top_ids), np.asarray(want_ids))
+
+
+def test_sample_rows_samples_each_ranks_first_rows_as_the_full_call():
+    """Two ranks of 4 rows, the first 2 of each sampled (seeded draws, filters, logprobs asked): the same tokens,
+    logprobs and top logprobs as the full call on those rows, zeros on the others."""
+    rng = np.random.default_rng(7)
+    logits = jnp.asarray(rng.standard_normal((8, V)).astype(np.float32) * 3)
+    params = [SamplingParams(temperature=0.9, seed=3, top_k=20, logprobs=3), SamplingParams(temperature=0.0),
+              None, None, SamplingParams(temperature=1.2, seed=5), SamplingParams(temperature=0.7, top_p=0.8), None,
+              None]
+    p = sampling_arrays(params, list(range(10, 18)), 8, 0)
+    full = jax.jit(sample, static_argnames="max_top_k")(logits, p, max_top_k=64)
+    part = jax.jit(sample_rows, static_argnames=("rows", "ranks", "max_top_k"))(logits, p, rows=2, ranks=2,
+                                                                                 max_top_k=64)
+    first = np.asarray([0, 1, 4, 5])
+    for got, want in zip(part, full):
+        got, want = np.asarray(got), np.asarray(want)
+        np.testing.assert_array_equal(got[first], want[first])
+        assert not np.delete(got, first, axis=0).any()
 
 
 def test_filters_restrict_the_choice():

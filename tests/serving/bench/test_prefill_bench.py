@@ -85,11 +85,11 @@ def test_only_the_decoding_runner_compiles_decode_buckets():
                      kv_cache_dtype="release", quiet=True)
     off, on = (_runner(m, args, [64], bounded) for bounded in (False, True))
     keys_off, keys_on = _keys(off, [64], args, decodes=False), _keys(on, [64], args, decodes=True)
-    assert keys_off == [("sample",), ("seg1", 64), ("seg2", 64)]
+    assert keys_off == [("sample", 4), ("seg1", 64), ("seg2", 64)]  # max_num_seqs 4
     W = m.config.sliding_window
     T = {on.buckets.token_bucket(n) for n in (1, 4)}
     assert {("seg1", t) for t in T | {48, 64}} | {("seg2", t) for t in T | {on.buckets.token_bucket(W)}} \
-        | {("sample",)} == set(keys_on)
+        | {("sample", min(4, t)) for t in T | {48, on.buckets.token_bucket(W)}} == set(keys_on)
     assert set(keys_on) <= set(on.bucket_keys()) and set(keys_off) <= set(off.bucket_keys())
     assert on.layout.fmt == off.layout.fmt == "release"
 
