@@ -60,13 +60,12 @@ def _keys(r: Runner, lengths, args, decodes: bool) -> list[tuple]:
     """The buckets the runner's prefills (and, for the runner that `decodes`, the decode steps and their context's
     prefills) run: nothing else is compiled."""
     keys = set()
-    S = r.rc.max_num_seqs
     for L in list(lengths) + ([args.decode_context] if decodes else []):
         K = r.buckets.token_bucket(min(L, _decoder_rows(r) or L))
-        keys |= {("seg1", L), ("seg2", K), ("sample", min(S, K))}
+        keys |= {("seg1", L), ("seg2", K), ("sample", r.buckets.requests(K))}
     for B in args.decode_batches if decodes else []:
         T = r.buckets.token_bucket(B)
-        keys |= {("seg1", T), ("seg2", T), ("sample", min(S, T))}
+        keys |= {("seg1", T), ("seg2", T), ("sample", r.buckets.requests(T))}
     return sorted(keys)
 
 

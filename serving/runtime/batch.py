@@ -95,6 +95,11 @@ class Buckets:
                 return b
         raise ValueError(f"{n} tokens exceed the largest token bucket {self.tokens[-1]}")
 
+    def requests(self, kept_rows: int) -> int:
+        """The most requests a step with `kept_rows` kept rows holds: each has a kept row (its last) of its own, so
+        they are the first min(max_num_seqs, kept_rows) of its logit rows (the head and the sampler run on those)."""
+        return min(self.max_num_seqs, kept_rows)
+
     def tile_size(self, tokens: int) -> int:
         """Query rows per tile in a `tokens`-row bucket: 1 where a decode batch fits (a decode row is its request's
         only row: a wider tile would be padding), else `tile`."""

@@ -177,7 +177,7 @@ class Runner:
             if self.exe_cache:
                 self.exe_cache.put_value("carry", spec)
         # The sampler runs on each rank's first n logit rows, n a bucket of the step's requests (`sample_rows`).
-        self.sample_rows = tuple(sorted({min(rc.max_num_seqs, t) for t in self.buckets.tokens}))
+        self.sample_rows = tuple(sorted({self.buckets.requests(t) for t in self.buckets.tokens}))
         samplers = {n: _sampler(n, self.ranks, rc.max_top_k) for n in self.sample_rows}
         # Segment 1 takes the previous step's sampled tokens (async scheduling; zeros when no row reads them) and,
         # with Engram hash ids, every token's hash term (the device finishes a pending row's ids): on a mesh both
@@ -513,7 +513,7 @@ class Runner:
                 row_banned[r] = list(banned[i])
         p = sampling_arrays(row_params, row_pos, n_rows, self.rc.seed, banned=row_banned)
         with jax.profiler.TraceAnnotation("runner.sample"):
-            n = self._bucket("sample", min(self.rc.max_num_seqs, seg.kept.row_K.shape[1]), self.sample_rows)
+            n = self._bucket("sample", self.buckets.requests(seg.kept.row_K.shape[1]), self.sample_rows)
             sampled = self._exe_for(("sample", n))(seg.logits, self._put_replicated(p))
         return LaunchedStep(list(chunks), seg, tuple(sampled))
 

@@ -194,8 +194,9 @@ def segment1(module, layout: CacheLayout, cache: dict, carry_buf: SegmentCarry |
 
 def segment2(module, layout: CacheLayout, cache: dict, carry_buf: SegmentCarry, batch: StepBatch, *,
              fake_quant: bool, expert_counts: bool = False) -> tuple[dict, jax.Array, tuple, jax.Array | None]:
-    """(cache, logits of each request's last row [max_num_seqs, V] (speculative decoding: of its last J rows
-    [max_num_seqs, J, V]; and each draft stage's context rows are written), prompt logprobs of every kept row:
+    """(cache, logits of each request's last row [max_num_seqs, V], zeros past `Buckets.requests` of the kept rows
+    (speculative decoding: of its last J rows [max_num_seqs, J, V]; and each draft stage's context rows are
+    written), prompt logprobs of every kept row:
     next-token logprob [K] and top ids / logprobs [K, MAX_LOGPROBS] - zeros unless a chunk asked for them - and
     the expert counts of layers cut .. L-1 over the kept rows [L - cut, E] or None)."""
     c, cut = layout.config, split_layer(layout.config)
@@ -231,8 +232,8 @@ def segment2(module, layout: CacheLayout, cache: dict, carry_buf: SegmentCarry, 
     with jax.named_scope("logits"):
         R, pre = final_streams(s)
         h_TD = module.norm(module.hc_head(R) if module.hc_head is not None else hc_collapse(R, pre))
-        # The step's requests are the first rows of logit_row_R, each with a kept row of its own: the head runs on
-        # at most the kept rows' count of them (a decode of one request: 2 rows, not max_num_seqs), zeros below.
+        # The head runs on the step's requests only (`Buckets.requests`: the first min(max_num_seqs, kept rows) of
+        # logit_row_R; a decode of one request: 2 rows, not max_num_seqs), zeros below.
         rows_R = kept.logit_row_R
         n = min(rows_R.shape[0], h_TD.shape[0])
         logits = module.head(h_TD[rows_R[:n].reshape(-1)], jnp.float32).reshape(n, *rows_R.shape[1:], -1)
