@@ -23,13 +23,13 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 import dsv41
 from pallas_kernels import IMPLS
-from serving.bench.roofline import MatmulProbe, StreamProbe, decode_weight_bytes, prefill_flops
+from serving.bench.roofline import MatmulProbe, RowsDotProbe, StreamProbe, decode_weight_bytes, prefill_flops
 from serving.engine.profiler import profiling
 from serving.runtime.batch import SeqChunk
 from serving.runtime.config import RuntimeConfig
@@ -109,9 +109,8 @@ def alternate(runs: dict[str, Callable[[int], float]], repeats: int,
 
 
 def bench_decode(r: Runner, B: int, context: int, steps: int, vocab: int, profile_dir: str | None = None,
-                 label: str = "", probe: StreamProbe | None = None) -> tuple[list[float], list[float]]:
-    """(step seconds, streaming bytes/s probed right before each step; none without `probe`) of `steps` decode
-    steps of B requests."""
+                 label: str = "", probes: Sequence[Callable[[], float]] = ()) -> tuple[list[float], list[list[float]]]:
+    """(step seconds, per probe its rates taken right before each step) of `steps` decode steps of B requests."""
     seqs = [[int(t) for t in np.random.default_rng(100 + s).integers(3, vocab, context)] for s in range(B)]
     for s in range(B):
         r.forward([_chunk(r, s, seqs[s], 0, context, True)])
@@ -127,11 +126,11 @@ def bench_decode(r: Runner, B: int, context: int, steps: int, vocab: int, profil
         return time.perf_counter() - t
 
     step()  # the first step warms caches and allocators
-    times, rates = [], []
+    times, rates = [], [[] for _ in probes]
     with profiling(profile_dir, label):
         for _ in range(steps):
-            if probe:
-                rates.append(probe())
+            for probe, out in zip(probes, rates):
+                out.append(probe())
             times.append(step())
     return times, rates
 
@@ -193,14 +192,17 @@ def main(argv=None) -> int:
     r = runners["replay_on"]
     del runners, runs  # the replay-off runner's cache and programs go before the decode steps
     for B in args.decode_batches:
-        times, rates = bench_decode(r, B, args.decode_context, args.decode_steps, vocab,
-                                    args.profile_dir, f"decode_batch{B}", stream)
+        rows = RowsDotProbe(r.buckets.token_bucket(B), args.dtype)
+        times, (rates, dot_rates) = bench_decode(r, B, args.decode_context, args.decode_steps, vocab,
+                                                 args.profile_dir, f"decode_batch{B}", (stream, rows))
         nbytes = decode_weight_bytes(model, B)
         result["decode"][str(B)] = {
             "step_s": statistics.median(times), "tokens_per_s": B / statistics.median(times),
             "runs_s": times, "stream_bytes_s": rates, "weight_bytes_per_step": nbytes,
             "weight_read_floor_s": nbytes / statistics.median(rates),
-            "step_over_floor": statistics.median(t * f / nbytes for f, t in zip(rates, times))}
+            "step_over_floor": statistics.median(t * f / nbytes for f, t in zip(rates, times)),
+            "dot_rows": rows.rows, "dot_bytes_s": dot_rates, "dot_floor_s": nbytes / statistics.median(dot_rates),
+            "step_over_dot_floor": statistics.median(t * f / nbytes for f, t in zip(dot_rates, times))}
     lines = [f"prefill, {args.model} ({args.dtype}, KV {args.kv_cache_dtype}), median of {args.repeats} after warm-up, "
              f"replay off and on alternated run by run, compile excluded; "
              f"roofline = the FLOPs the mode runs (replay on: the layers after the CED cut on the last window "
@@ -215,14 +217,17 @@ def main(argv=None) -> int:
                      f"{on['gflop_run']:>9.1f} {on['median_s']:>14.3f} {on['of_matmul_roofline']:>12.1%} "
                      f"{p['ratio']:>7.2f}")
     lines += ["", (f"decode, context {args.decode_context}; floor = the step's weight bytes at the streaming rate "
-                   f"probed before each step"),
+                   f"probed before each step; dot floor = the same bytes at the rate the {args.dtype} matmul reads "
+                   f"weights in a product of the step's rows, probed likewise"),
               f"{'batch':>7} {'tokens/s':>10} {'step ms':>9} {'weights MB':>11} {'GB/s':>6} {'floor ms':>9} "
-              f"{'step/floor':>11}"]
+              f"{'step/floor':>11} {'rows':>5} {'dot GB/s':>9} {'dot floor ms':>13} {'step/dot floor':>15}"]
     for B in args.decode_batches:
         d = result["decode"][str(B)]
         lines.append(f"{B:>7} {d['tokens_per_s']:>10.1f} {d['step_s'] * 1e3:>9.2f} "
                      f"{d['weight_bytes_per_step'] / 1e6:>11.1f} {statistics.median(d['stream_bytes_s']) / 1e9:>6.0f} "
-                     f"{d['weight_read_floor_s'] * 1e3:>9.3f} {d['step_over_floor']:>11.1f}")
+                     f"{d['weight_read_floor_s'] * 1e3:>9.3f} {d['step_over_floor']:>11.1f} {d['dot_rows']:>5} "
+                     f"{statistics.median(d['dot_bytes_s']) / 1e9:>9.1f} {d['dot_floor_s'] * 1e3:>13.3f} "
+                     f"{d['step_over_dot_floor']:>15.1f}")
     print("\n".join(lines))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

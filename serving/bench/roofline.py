@@ -69,6 +69,40 @@ class StreamProbe:
         return self.n_bytes / (time.perf_counter() - t)
 
 
+class RowsDotProbe:
+    """`probe()` -> the rate, bytes of weights per second, at which this device's matmul reads a layer's weights in
+    a product of `rows` rows (a decode step's token bucket): one timed jitted set of [rows, K] x [N, K] dots in
+    `dtype` (the projections' [out, in] layout) over several weight matrices, together past the caches (64 MiB of
+    [4096, 512]; 1 GiB of [8192, 4096] on a GPU).
+
+    The streaming floor is what a step would take reading its weights at `StreamProbe`'s rate; this one is what
+    its products alone take at the rate the backend's own matmul reaches for that many rows. On XLA:CPU the two
+    differ by ~2x: a 2-row bf16 product reads its weights at 12-17 GB/s on the 2-core EPYC whose sum streams
+    30-35 GB/s (a dot packs its weight operand for its microkernel first, a matrix-vector one included)."""
+
+    def __init__(self, rows: int, dtype: str = "float32"):
+        import jax
+        import jax.numpy as jnp
+
+        gpu = jax.default_backend() == "gpu"
+        (n, k), count = ((8192, 4096), 16) if gpu else ((4096, 512), 16)
+        self.rows = rows
+        self._x = jax.random.normal(jax.random.key(0), (rows, k), jnp.float32).astype(dtype)
+        self._w = [jax.random.normal(jax.random.key(1 + i), (n, k), jnp.float32).astype(dtype) for i in range(count)]
+        self.n_bytes = sum(w.nbytes for w in self._w)
+        precision = jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+        self._dots = jax.jit(lambda x, ws: [jnp.einsum("ti,oi->to", x, w, precision=precision,
+                                                       preferred_element_type=jnp.float32) for w in ws])
+        jax.block_until_ready(self._dots(self._x, self._w))
+
+    def __call__(self) -> float:
+        import jax
+
+        t = time.perf_counter()
+        jax.block_until_ready(self._dots(self._x, self._w))
+        return self.n_bytes / (time.perf_counter() - t)
+
+
 def weight_read_rate(n_bytes: int | None = None, reps: int = 10) -> float:
     """The median of `reps` streaming probes over `n_bytes`, bytes per second."""
     probe = StreamProbe(n_bytes)

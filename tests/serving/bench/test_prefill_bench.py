@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import dsv41
-from serving.bench.roofline import MatmulProbe, decode_weight_bytes, prefill_flops, weight_read_rate
+from serving.bench.roofline import MatmulProbe, RowsDotProbe, decode_weight_bytes, prefill_flops, weight_read_rate
 
 
 def test_decode_reads_every_backbone_weight_and_the_touched_share_of_the_experts():
@@ -40,6 +40,20 @@ def test_matmul_rate_is_probed_each_call(dtype):
     probe = MatmulProbe(dtype)
     rates = [probe() for _ in range(2)]
     assert all(1e8 < r < 1e16 for r in rates) and rates[0] != rates[1]  # a new timing each call
+
+
+def test_rows_dot_probe_times_the_step_rows_products_over_weights_past_the_caches():
+    """The probe's dots are the [rows, K] x [N, K] products it names (their values too), its rate counts every
+    weight matrix once, and each call is a new timing."""
+    probe = RowsDotProbe(2, "bfloat16")
+    assert probe.rows == 2 and probe.n_bytes == sum(w.nbytes for w in probe._w) >= 64 << 20
+    x, w = probe._x, probe._w[3]
+    (y,) = probe._dots(x, [w])
+    assert y.shape == (2, w.shape[0]) and y.dtype == np.float32
+    want = np.asarray(x, np.float32) @ np.asarray(w, np.float32).T
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-4, atol=1e-3 * np.abs(want).max())
+    rates = [probe() for _ in range(2)]
+    assert all(1e8 < r < 1e14 for r in rates) and rates[0] != rates[1]
 
 
 def test_prefill_flops_count_the_active_parameters_and_what_the_first_token_attends():
