@@ -28,7 +28,7 @@ import numpy as np
 from serving.api.server import ServerArgs
 from serving.engine.args import EngineArgs, FlagError, add_flags, from_flags
 from serving.model_source import ModelArgs
-from serving.runtime.host_memory import keep_freed_memory
+from serving.runtime.host_memory import keep_freed_memory_or_say
 
 
 def parser() -> argparse.ArgumentParser:
@@ -85,8 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
     ns, model_args, ea = parse_args(argv)
     if ns.read is not None:
         return read_only(ns)
-    if why := keep_freed_memory():  # as the server does (`--keep-host-memory`), before JAX starts
-        print(f"host memory returned to the OS after each step ({why})", file=sys.stderr)
+    keep_freed_memory_or_say()
     ea.parallel.use_cpu_devices()  # before anything starts JAX's backends
     from serving.engine.engine import Engine
     from serving.engine.profiler import Profiler

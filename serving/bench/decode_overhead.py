@@ -35,7 +35,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from serving.runtime.host_memory import keep_freed_memory
+from serving.runtime.host_memory import keep_freed_memory_or_say
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -163,8 +163,7 @@ def main(argv=None) -> int:
                     help="the server's async scheduling (where the model supports it; the bare steps are one at a "
                          "time either way)")
     args = ap.parse_args(argv)
-    if why := keep_freed_memory():  # the bare steps keep their host memory as the server does (`--keep-host-memory`)
-        print(f"bare steps: host memory returned to the OS after each step ({why})", file=sys.stderr)
+    keep_freed_memory_or_say("bare steps")
     if args.compilation_cache_dir is None:
         from serving.api.server import ServerArgs
 

@@ -34,7 +34,7 @@ from serving.engine.profiler import profiling
 from serving.runtime.batch import SeqChunk
 from serving.runtime.config import RuntimeConfig
 from serving.runtime.kv_cache import FORMATS
-from serving.runtime.host_memory import keep_freed_memory
+from serving.runtime.host_memory import keep_freed_memory_or_say
 from serving.runtime.runner import Runner, enable_compilation_cache
 
 
@@ -160,8 +160,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--profile-dir", default=None, help="write a jax.profiler trace of each measurement here")
     args = ap.parse_args(argv)
-    if why := keep_freed_memory():  # as the server does (`--keep-host-memory`), before JAX starts
-        print(f"host memory returned to the OS after each step ({why})", file=sys.stderr)
+    keep_freed_memory_or_say()
     enable_compilation_cache(args.compilation_cache_dir)
     args.decode_batches = [int(x) for x in args.decode_batches.split(",")]
     lengths = [int(x) for x in args.lengths.split(",")]

@@ -40,3 +40,10 @@ def keep_freed_memory() -> str | None:
         if mallopt(param, value) != 1:
             return f"mallopt({param}, {value}) failed"
     return None
+
+
+def keep_freed_memory_or_say(what: str = "host memory") -> None:
+    """`keep_freed_memory()` for a benchmark or the profiler, as the server's `--keep-host-memory` does (call it
+    before JAX starts), saying on stderr why not when it cannot."""
+    if why := keep_freed_memory():
+        print(f"{what}: freed memory is returned to the OS after each step ({why})", file=sys.stderr)

@@ -62,7 +62,7 @@ def sample(logits_RV: jax.Array, p: dict, *, max_top_k: int
 
     def filtered_draw():
         cand_ids, scaled, keep = _candidates(logits, p, temp, K)
-        cand_choice = jnp.argmax(jnp.where(keep, scaled + gumbel((K,)), -jnp.inf), axis=-1)
+        cand_choice = argmax(jnp.where(keep, scaled + gumbel((K,)), -jnp.inf))
         return jnp.take_along_axis(cand_ids, cand_choice[:, None], axis=-1)[:, 0]
 
     zeros = lambda: jnp.zeros((R,), jnp.int32)  # noqa: E731

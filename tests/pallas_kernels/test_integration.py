@@ -10,7 +10,6 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from jax.extend.core import jaxprs_in_params
 
 import dsv41
 from dsv41.block import Block
@@ -18,6 +17,7 @@ from dsv41.layers.moe import Experts, Router, set_kernel_impl
 from dsv41.model import forward
 from serving.runtime.config import RuntimeConfig
 from serving.runtime.runner import Runner
+from tests.jaxpr_walk import equations
 from tests.pallas_kernels.util import seeded_rng
 from tests.serving.driver import Driver
 
@@ -35,14 +35,7 @@ def tiny():
 
 def pallas_calls(closed_jaxpr, name: str) -> int:
     """Number of pallas_calls of kernel `name` in a traced program, nested jaxprs included."""
-    def walk(jaxpr) -> int:
-        n = 0
-        for eqn in jaxpr.eqns:
-            n += eqn.primitive.name == "pallas_call" and eqn.params.get("name") == name
-            for sub in jaxprs_in_params(eqn.params):
-                n += walk(sub)
-        return n
-    return walk(closed_jaxpr.jaxpr)
+    return sum(e.primitive.name == "pallas_call" and e.params.get("name") == name for e in equations(closed_jaxpr))
 
 
 def expected_fused_sites(blocks) -> int:

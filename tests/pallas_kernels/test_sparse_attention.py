@@ -13,6 +13,7 @@ from dsv41 import quant
 from pallas_kernels import lowering
 from pallas_kernels import sparse_attention as sa
 from pallas_kernels.tiles import plan_tiles
+from tests.jaxpr_walk import equations
 from tests.pallas_kernels.util import assert_close, seeded_rng
 
 H, D, DR, W = 16, 64, 16, 16
@@ -147,21 +148,8 @@ def test_xla_in_bfloat16_multiplies_in_bfloat16(tile):
 
 def _dot_operand_dtypes(fn, args) -> set[str]:
     """The operand dtypes of every dot_general in fn's jaxpr, loops and conditionals included."""
-    found = set()
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "dot_general":
-                found.update(str(v.aval.dtype) for v in eqn.invars)
-            for p in eqn.params.values():
-                for sub in p if isinstance(p, (tuple, list)) else [p]:
-                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                        walk(sub.jaxpr)
-                    elif isinstance(sub, jax.extend.core.Jaxpr):
-                        walk(sub)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return found
+    return {str(v.aval.dtype) for e in equations(jax.make_jaxpr(fn)(*args)) if e.primitive.name == "dot_general"
+            for v in e.invars}
 
 
 @pytest.mark.parametrize("scan_rows", [8, 16, 32, 128])  # 1, 2, 4, all 6 blocks of 8 rows per scan step

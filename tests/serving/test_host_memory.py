@@ -40,3 +40,15 @@ def test_too_late_once_jax_has_started():
     out = _run("import jax; jax.devices(); from serving.runtime.host_memory import keep_freed_memory; "
                "print(keep_freed_memory())")
     assert "backends had started" in out
+
+
+def test_benchmarks_say_why_not_on_stderr():
+    """What the benchmarks and the profiler call: nothing said when it holds, the reason on stderr when it cannot."""
+    code = ("import sys; from serving.runtime.host_memory import keep_freed_memory_or_say\n"
+            "if sys.argv[1] == 'late': import jax; jax.devices()\n"
+            "keep_freed_memory_or_say('bare steps')")
+    late = subprocess.run([sys.executable, "-c", code, "late"], capture_output=True, text=True, check=True)
+    assert "bare steps: freed memory is returned" in late.stderr and "backends had started" in late.stderr
+    if sys.platform.startswith("linux"):
+        early = subprocess.run([sys.executable, "-c", code, "early"], capture_output=True, text=True, check=True)
+        assert early.stderr == ""

@@ -275,20 +275,11 @@ def test_model_without_candidate_blocks_runs(model):
 def test_head_runs_on_at_most_the_kept_rows_of_requests(model):
     """A step's requests are the first rows of its logit rows, one kept row each at least: segment 2 of a 2-row
     bucket multiplies the LM head with 2 rows, not max_num_seqs (its logits keep max_num_seqs rows, zeros below)."""
-    from jax.extend.core import jaxprs_in_params
+    from tests.jaxpr_walk import equations
 
     S, V = 16, model.config.vocab_size
     r = Runner(model, RuntimeConfig(**{**RC, "max_num_seqs": S, "token_buckets": (2, 8, 32)}), progress=False)
     jaxpr = r.trace(("seg2", 2))
-    shapes = []
-
-    def walk(jx):
-        for e in jx.eqns:
-            if e.primitive.name == "dot_general":
-                shapes.append(tuple(e.outvars[0].aval.shape))
-            for sub in jaxprs_in_params(e.params):
-                walk(sub)
-
-    walk(jaxpr.jaxpr)
+    shapes = [tuple(e.outvars[0].aval.shape) for e in equations(jaxpr) if e.primitive.name == "dot_general"]
     assert (2, V) in shapes and (S, V) not in shapes, shapes
     assert (S, V) in [tuple(a.shape) for a in jaxpr.out_avals]  # the logits

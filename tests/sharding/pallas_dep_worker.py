@@ -18,15 +18,10 @@ PROMPT, DECODE = 12, 2
 def kernel_heads(closed_jaxpr, name: str) -> list[int]:
     """The head dimension of the output of every pallas_call `name` in a traced program, as the kernel
     sees it (inside a shard_map: the local shape)."""
-    from jax.extend.core import jaxprs_in_params
+    from tests.jaxpr_walk import equations
 
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call" and eqn.params.get("name") == name:
-                yield eqn.outvars[0].aval.shape[1]  # [T, H, d]
-            for sub in jaxprs_in_params(eqn.params):
-                yield from walk(sub)
-    return list(walk(closed_jaxpr.jaxpr))
+    return [e.outvars[0].aval.shape[1] for e in equations(closed_jaxpr)  # [T, H, d]
+            if e.primitive.name == "pallas_call" and e.params.get("name") == name]
 
 
 def main() -> None:
