@@ -161,9 +161,11 @@ def format_table(result: dict) -> str:
 
 def _portable(path: str) -> str:
     """The checkpoint path as the README's command names it ($PEER_DIR/...), so a committed JSON names no folder
-    of this machine."""
+    of this machine: under $PEER_DIR relative to it, another absolute path by its last folder's name."""
     peer_dir = os.environ.get("PEER_DIR")
-    return "$PEER_DIR" + path[len(peer_dir.rstrip("/")):] if peer_dir and path.startswith(peer_dir) else path
+    if peer_dir and path.startswith(peer_dir):
+        return "$PEER_DIR" + path[len(peer_dir.rstrip("/")):]
+    return Path(path).name if os.path.isabs(path) else path
 
 
 def main(argv=None) -> int:

@@ -77,18 +77,17 @@ class RowsDotProbe:
 
     The streaming floor is what a step would take reading its weights at `StreamProbe`'s rate; this one is what
     its products alone take at the rate the backend's own matmul reaches for that many rows. On XLA:CPU the two
-    differ by ~2x: a 2-row bf16 product reads its weights at 12-17 GB/s on the 2-core EPYC whose sum streams
-    30-35 GB/s (a dot packs its weight operand for its microkernel first, a matrix-vector one included)."""
+    differ by ~2x: a 2-row bf16 product read its weights at 14.8-15.5 GB/s on the 2-core EPYC whose sum streamed
+    24-33 GB/s in the same runs (its GEMM repacks the weight operand on every call)."""
 
     def __init__(self, rows: int, dtype: str = "float32"):
         import jax
         import jax.numpy as jnp
 
-        gpu = jax.default_backend() == "gpu"
-        (n, k), count = ((8192, 4096), 16) if gpu else ((4096, 512), 16)
+        n, k = (8192, 4096) if jax.default_backend() == "gpu" else (4096, 512)
         self.rows = rows
         self._x = jax.random.normal(jax.random.key(0), (rows, k), jnp.float32).astype(dtype)
-        self._w = [jax.random.normal(jax.random.key(1 + i), (n, k), jnp.float32).astype(dtype) for i in range(count)]
+        self._w = [jax.random.normal(jax.random.key(1 + i), (n, k), jnp.float32).astype(dtype) for i in range(16)]
         self.n_bytes = sum(w.nbytes for w in self._w)
         precision = jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
         self._dots = jax.jit(lambda x, ws: [jnp.einsum("ti,oi->to", x, w, precision=precision,
