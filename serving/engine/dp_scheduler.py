@@ -20,12 +20,12 @@ from serving.runtime.config import RuntimeConfig
 
 class DataParallelScheduler:
     def __init__(self, cfg: SchedulerConfig, rc: RuntimeConfig, model_config: ModelConfig, *, num_blocks: int,
-                 block_size: int, ranks: int = 1):
-        """`num_blocks`: each rank's KV blocks. A rank is saturated for sticky routing at `cfg.dp_max_inflight`
-        requests in flight (running or waiting), by default twice its `max_num_seqs` slots - full, with as
-        many waiting."""
-        self.ranks = [Scheduler(cfg, rc, model_config, BlockManager(num_blocks, block_size, cfg.enable_prefix_caching))
-                      for _ in range(ranks)]
+                 block_size: int, ranks: int = 1, token_buckets: tuple[int, ...] = ()):
+        """`num_blocks`: each rank's KV blocks; `token_buckets`: the runner's step sizes (`Scheduler`). A rank is
+        saturated for sticky routing at `cfg.dp_max_inflight` requests in flight (running or waiting), by default
+        twice its `max_num_seqs` slots - full, with as many waiting."""
+        self.ranks = [Scheduler(cfg, rc, model_config, BlockManager(num_blocks, block_size, cfg.enable_prefix_caching),
+                                token_buckets) for _ in range(ranks)]
         self.router = DPRouter(RouterConfig(ranks, cfg.dp_routing_policy, cfg.dp_max_inflight or 2 * rc.max_num_seqs))
         self.block_size, self.blocks_per_rank = block_size, num_blocks
 

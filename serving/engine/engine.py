@@ -81,7 +81,8 @@ class Engine:
             self.metrics.add_spec_decode(self.spec.num_speculative_tokens)
         layout = self.runner.layout
         self.scheduler = DataParallelScheduler(args.scheduler, args.runtime, model.config, num_blocks=layout.num_blocks,
-                                               block_size=layout.block_size, ranks=self.runner.ranks)
+                                               block_size=layout.block_size, ranks=self.runner.ranks,
+                                               token_buckets=self.runner.buckets.tokens)
         self.metrics.total_blocks.set(self.scheduler.num_blocks)
         self.requests: dict[str, Request] = {}
         self._out: dict[str, OutputState] = {}

@@ -26,7 +26,8 @@ FULL = ["--model", "small", "--served-model-name", "m", "--dtype", "bfloat16", "
         "--fake-quant", "--max-top-k", "64", "--seed", "7", "--token-buckets", "8,16,256", "--kernel-impl", "xla",
         "--moe-small-steps", "tiles",
         "--speculative-config", '{"method": "dspark", "num_speculative_tokens": 2}',
-        "--long-prefill-token-threshold", "64", "--max-queued-requests", "10", "--scheduling-policy", "priority",
+        "--long-prefill-token-threshold", "64", "--bucket-fit-min-tokens", "0", "--max-queued-requests", "10",
+        "--scheduling-policy", "priority",
         "--no-enable-prefix-caching", "--no-async-scheduling", "--dp-routing-policy", "load", "--dp-max-inflight", "3",
         "-tp", "2", "-dp", "2", "--enable-expert-parallel", "-ep", "4", "--num-cpu-devices", "4",
         "--enable-eplb", "--eplb-window-size", "10", "--eplb-step-interval", "20", "--eplb-num-redundant-experts", "8"]
@@ -46,7 +47,7 @@ def test_a_full_command_line_parses_into_the_sections_and_back():
         max_num_seqs=16, max_num_batched_tokens=256, max_model_len=2048, block_size=16, kv_cache_dtype="release",
         kv_cache_memory=1000000, swa_bounded_replay=False, tile=4, fake_quant=True, max_top_k=64, seed=7,
         token_buckets=(8, 16, 256), kernel_impl="xla", moe_small_steps="tiles", long_prefill_token_threshold=64,
-        max_queued_requests=10,
+        bucket_fit_min_tokens=0, max_queued_requests=10,
         speculative_config='{"method": "dspark", "num_speculative_tokens": 2}',
         scheduling_policy="priority", enable_prefix_caching=False, async_scheduling=False, dp_routing_policy="load",
         dp_max_inflight=3, tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True,

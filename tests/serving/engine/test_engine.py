@@ -25,10 +25,11 @@ def model():
 
 @pytest.fixture(scope="module")
 def args(model):
-    """12 KV blocks of 8 tokens: two 44-token requests fit, three preempt."""
+    """12 KV blocks of 8 tokens: two 44-token requests fit, three preempt. The bucket fit cuts every step of 9-31
+    tokens back to 8 (its prefill chunks end anywhere, requests are sent back to the queue)."""
     probe = CacheLayout(model.config, 1, 8, 4, "auto", "float32")
     return EngineArgs.of(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=96, block_size=8,
-                         swa_bounded_replay=False,
+                         swa_bounded_replay=False, bucket_fit_min_tokens=8,
                          kv_cache_memory=4 * probe.bytes_per_slot() + 12 * probe.bytes_per_block(),
                          token_buckets=(8, 32))
 
@@ -177,7 +178,7 @@ def test_the_next_step_is_dispatched_before_the_text_is_made(engine, monkeypatch
     launch, collect, launch, text; and the tokens are those of the step-by-step run."""
     from serving.engine.output import OutputState
 
-    prompt = _prompt(41)
+    prompt = _prompt(41, 8)  # a whole bucket: one prefill chunk
     p = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     monkeypatch.setattr(engine, "async_scheduling", False)  # the overlap of step-by-step scheduling
     (alone,), _ = _serve(engine, [prompt], p)

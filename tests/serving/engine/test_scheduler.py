@@ -16,9 +16,10 @@ CFG = dsv41.ModelConfig.preset("tiny")  # window 8: a hit of H > 8 tokens restar
 BS = 8
 
 
-def _sched(num_blocks=64, **kw):
+def _sched(num_blocks=64, token_buckets=(), **kw):
     a = EngineArgs.of(**{"max_num_seqs": 4, "max_num_batched_tokens": 32, **kw})
-    return Scheduler(a.scheduler, a.runtime, CFG, BlockManager(num_blocks, BS, a.scheduler.enable_prefix_caching))
+    return Scheduler(a.scheduler, a.runtime, CFG, BlockManager(num_blocks, BS, a.scheduler.enable_prefix_caching),
+                     token_buckets)
 
 
 def _req(rid, n, seed=0, **kw):
@@ -107,11 +108,74 @@ def test_queue_limit_and_priority_order():
     assert [x.request.request_id for x in s.schedule()] == ["urgent", "late"]
 
 
+BUCKETS = (1, 2, 4, 8, 16, 24, 32)
+
+
+def _chunks(sched):
+    return [(x.request.request_id, x.start, x.end, x.sample) for x in sched]
+
+
+def test_bucket_fit_cuts_the_newest_prefill_back_to_the_bucket_below():
+    s = _sched(token_buckets=BUCKETS, bucket_fit_min_tokens=16)
+    a, b, c = _req("a", 4), _req("b", 12, seed=1), _req("c", 8, seed=2)
+    s.add(a)
+    _finish_step(s, s.schedule())
+    s.add(b), s.add(c)
+    step = s.schedule()  # 1 + 12 + 8 = 21 tokens would pad to 24: cut to 16, c keeps 3 tokens and does not sample
+    assert _chunks(step) == [("a", 4, 5, True), ("b", 0, 12, True), ("c", 0, 3, False)]
+    _finish_step(s, step)
+    assert _chunks(s.schedule()) == [("a", 5, 6, True), ("b", 12, 13, True), ("c", 3, 8, True)]  # 7 < 16: as is
+
+
+def test_bucket_fit_sends_a_request_cut_to_nothing_back_to_the_queue_front():
+    s = _sched(token_buckets=BUCKETS, bucket_fit_min_tokens=16, max_num_batched_tokens=20)
+    a, b, c = _req("a", 4), _req("b", 15, seed=1), _req("c", 4, seed=2)
+    s.add(a)
+    _finish_step(s, s.schedule())
+    free = s.blocks.num_free_blocks
+    s.add(b), s.add(c)
+    step = s.schedule()  # 1 + 15 + 4 = 20 would pad to 24: cut to 16, c is cut to nothing and waits, unadmitted
+    assert _chunks(step) == [("a", 4, 5, True), ("b", 0, 15, True)]
+    assert c.status is Status.WAITING and c.slot is None and c.num_computed == 0 and s.next_waiting is c
+    assert s.num_preemptions == 0 and c.num_preemptions == 0
+    assert s.blocks.num_free_blocks == free - 2  # b's two blocks only; c's reservation is back
+    _finish_step(s, step)
+    assert _chunks(s.schedule()) == [("a", 5, 6, True), ("b", 15, 16, True), ("c", 0, 4, True)]
+
+
+def test_bucket_fit_leaves_small_steps_decode_rows_and_drafts():
+    for kw in ({"bucket_fit_min_tokens": 0}, {"bucket_fit_min_tokens": 32}):  # off, or the bucket below too small
+        s = _sched(token_buckets=BUCKETS, **kw)
+        s.add(_req("a", 21))
+        assert [x.end for x in s.schedule()] == [21]
+    s = _sched(token_buckets=(1, 2, 4, 8, 16, 32), bucket_fit_min_tokens=2, max_num_batched_tokens=32)
+    reqs = [_req(r, 2, seed=i) for i, r in enumerate("abc")]
+    for r in reqs:
+        s.add(r)
+    _finish_step(s, s.schedule())  # 6 tokens: cut to 4, c waits
+    _finish_step(s, s.schedule())  # a, b decode + c's 2 = 4: a bucket
+    step = s.schedule()  # three decode rows over the 2-bucket: nothing to cut, padded to 4
+    assert _chunks(step) == [("a", 3, 4, True), ("b", 3, 4, True), ("c", 2, 3, True)]
+    reqs[0].draft_ids = [5, 6, 7]
+    s.postprocess(step[0], 9), s.postprocess(step[1], 9), s.postprocess(step[2], 9)
+    assert [x.num_draft for x in s.schedule()] == [3, 0, 0]  # 4 + 1 + 1 = 6 over the 4-bucket: drafts stay
+
+
 def test_randomized_runs_keep_the_invariants():
     """Random arrivals, lengths and aborts on a small pool: budget and slots never exceed the limits, every
-    scheduled chunk is covered by blocks, refcounts match the live tables, and all blocks come back."""
+    scheduled chunk is covered by blocks, refcounts match the live tables, and all blocks come back. With the
+    bucket fit: a step over a bucket >= 8 is one whose spill is not all prefill."""
     rng = random.Random(0)
-    s = _sched(num_blocks=20, long_prefill_token_threshold=12)
+    s = _sched(num_blocks=20, long_prefill_token_threshold=12, token_buckets=BUCKETS, bucket_fit_min_tokens=8)
+    cuts, fit = [], s._fit_to_bucket
+
+    def counting_fit(out, admitted):
+        before = sum(x.end - x.start for x in out)
+        out = fit(out, admitted)
+        cuts.append(before - sum(x.end - x.start for x in out))
+        return out
+
+    s._fit_to_bucket = counting_fit
     live, n = [], 0
     for step in range(400):
         if rng.random() < 0.3 and n < 60:
@@ -121,7 +185,12 @@ def test_randomized_runs_keep_the_invariants():
             live.append(r)
             n += 1
         sched = s.schedule()
-        assert sum(x.end - x.start for x in sched) <= 32 and len(s.running) <= 4
+        total = sum(x.end - x.start for x in sched)
+        assert total <= 32 and len(s.running) <= 4
+        low = max(b for b in BUCKETS if b <= total) if total else 0
+        if low >= 8 and total > low:
+            prefill = sum(x.end - x.start for x in sched if not x.num_draft and not (x.sample and x.end - x.start == 1))
+            assert prefill < total - low
         assert len({x.request.slot for x in sched}) == len(sched)
         for x in sched:
             assert len(s.blocks.block_table(x.request.request_id)) * BS >= x.end
@@ -138,6 +207,7 @@ def test_randomized_runs_keep_the_invariants():
     for r in list(live):
         s.remove(r)
     assert s.blocks.num_free_blocks == 20 and sorted(s.free_slots) == [0, 1, 2, 3] and n > 40
+    assert sum(c > 0 for c in cuts) > 10  # the fit did cut, and the invariants held through it
 
 
 def test_drafts_fit_the_token_budget_the_output_limit_and_min_tokens():
@@ -156,8 +226,8 @@ def test_drafts_fit_the_token_budget_the_output_limit_and_min_tokens():
     assert s.postprocess(step[1], [21, 98]) == ("stop", 21) and b.output_ids == [7, 21]
     c = _req("c", 4, seed=2)
     c.params = SamplingParams(temperature=0, min_tokens=4)
-    s2 = _sched()
-    s2.add(c)
-    _finish_step(s2, s2.schedule())
+    s = _sched()
+    s.add(c)
+    _finish_step(s, s.schedule())
     c.draft_ids = [1, 2]
-    assert s2.schedule()[0].num_draft == 0  # EOS is banned for the next rows: no drafts until min_tokens are out
+    assert s.schedule()[0].num_draft == 0  # EOS is banned for the next rows: no drafts until min_tokens are out
