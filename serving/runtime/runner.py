@@ -446,13 +446,9 @@ class Runner:
         return self.placement.put_batch(tree) if self.placement else tree
 
     def _put_step(self, batch: StepBatch):
-        """A segment's batch as its compiled call takes it: on one device one packed array (`PackedBatch`: one
-        transfer, not ~17); on a mesh the arrays as they are, placed per rank (the packed form, sliced inside the
-        per-rank function, crashed XLA's SPMD partitioner: jaxlib 0.12.0.1, a dp=2 x tp=4 mesh,
-        `partition_group_list.num_replica_groups() * ...` check failure in spmd_partitioner_util.cc; retried
-        2026-12-04: the tiny engine ran packed on dp2 x tp2 and dp2 x tp4, the equivalence layouts still crash in
-        PartitionGather -> ExpandDeviceGroupsWithIota)."""
-        return self._put(batch) if self.placement else PackedBatch.pack(batch)
+        """A segment's batch as its compiled call takes it: one packed array (`PackedBatch`: one transfer, not ~17;
+        on a mesh one [ranks, N] array split over the dp axes, each rank unpacking its row inside `per_rank`)."""
+        return self._put(PackedBatch.pack(batch))
 
     def forward(self, chunks: Sequence[SeqChunk]) -> jax.Array:
         """Run one step; the logits [len(chunks), vocab] of each chunk's last row (device array)."""

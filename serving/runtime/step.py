@@ -155,8 +155,20 @@ class PackedBatch:
                 continue
             size = math.prod(shape)
             a = self.packed[..., at:at + size].reshape(lead + tuple(shape))
-            leaves.append(a != 0 if dtype == "bool" else a.astype(jnp.dtype(dtype)))
+            a = a != 0 if dtype == "bool" else a.astype(jnp.dtype(dtype))
+            leaves.append(_replicated_on_auto_axes(a))
         return jax.tree.unflatten(treedef, leaves)
+
+
+def _replicated_on_auto_axes(a: jax.Array) -> jax.Array:
+    """Inside a per-rank shard_map whose tensor-parallel axes stay automatic, an unpacked array is pinned
+    replicated over them, as the separate arrays it replaces were: left to sharding propagation, V4 on dp=2 x tp=4
+    failed a check of XLA's SPMD partitioner (PartitionGather -> ExpandDeviceGroupsWithIota, jaxlib 0.12). Outside
+    a mesh, or with every axis manual, it is the array itself."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not mesh.auto_axes:
+        return a
+    return jax.lax.with_sharding_constraint(a, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
 
 jax.tree_util.register_pytree_node(PackedBatch, lambda p: ((p.packed, *p.others), p.layout),
