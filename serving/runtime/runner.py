@@ -31,7 +31,7 @@ from flax import nnx
 
 import dsv41
 from dsv41.layers.moe import set_kernel_impl, set_small_steps
-from serving.runtime import exe_cache, kv_cache, segments, spec_step
+from serving.runtime import exe_cache, kv_cache, map_limit, segments, spec_step
 from serving.runtime.config import RuntimeConfig
 from serving.runtime.batch import Buckets, EngramHashing, SeqChunk, build_step, token_ladder
 from serving.runtime.step import KeptRows, PackedBatch, StepBatch, unpacked
@@ -270,6 +270,7 @@ class Runner:
         return list(self.placement.mesh.devices.flat) if self.placement else list(self._leaves[0].devices())
 
     def _compile(self, key: tuple, fn: str | tuple, *args) -> None:
+        map_limit.GUARD.before_compile()  # a clear error, not a crash, where the process runs out of memory maps
         t = time.perf_counter()
         spec = jax.tree.map(_spec, args)
         exe = self.exe_cache.load(key, spec, self._exe_devices()) if self.exe_cache else None
