@@ -92,6 +92,11 @@ class Scheduled:
         req = self.request
         object.__setattr__(self, "sample", self.end - self.num_draft == req.num_tokens + req.num_pending)
 
+    @property
+    def cuttable(self) -> bool:
+        """Prompt (or recomputed) tokens the bucket fit may defer: neither a lone decode row nor drafts."""
+        return not self.num_draft and not (self.sample and self.end - self.start == 1)
+
 
 class QueueFull(RuntimeError):
     """The waiting queue is at `max_queued_requests`."""
@@ -205,14 +210,13 @@ class Scheduler:
         admitted (no preemption counted). A step of decode rows is never cut."""
         total = sum(s.end - s.start for s in out)
         low = max((b for b in self.token_buckets if b <= total), default=0)
-        cuttable = [not s.num_draft and not (s.sample and s.end - s.start == 1) for s in out]
         spill = total - low
         if (not self.cfg.bucket_fit_min_tokens or low < self.cfg.bucket_fit_min_tokens or spill == 0
-                or sum(s.end - s.start for s, c in zip(out, cuttable) if c) < spill):
+                or sum(s.end - s.start for s in out if s.cuttable) < spill):
             return out
         for i in reversed(range(len(out))):
             s, n = out[i], out[i].end - out[i].start
-            if not cuttable[i] or spill == 0:
+            if not s.cuttable or spill == 0:
                 continue
             cut = min(spill, n)
             spill -= cut
@@ -270,18 +274,16 @@ class Scheduler:
         return cands[-1]
 
     def _unadmit(self, req: Request) -> None:
-        self.running.remove(req)
-        self._release(req)
-        req.num_computed, req.plan = 0, None
-        self.add(req, front=True)
-
-    def _preempt(self, req: Request) -> None:
+        """Back to the front of the queue, its blocks and slot freed: it starts again from the prefix lookup."""
         self.running.remove(req)
         self._release(req)
         req.num_computed, req.plan, req.draft_ids = 0, None, []
+        self.add(req, front=True)
+
+    def _preempt(self, req: Request) -> None:
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.add(req, front=True)
+        self._unadmit(req)
 
     # ----------------------------------------------------------------- update
     def launched(self, sched: list[Scheduled]) -> list[bool]:
