@@ -9,9 +9,11 @@ restarts at `replay_start`, never rewriting cached rows below `write_floor`. Blo
 reserved at admission so chunked prefills of many long prompts cannot thrash each other. After the step,
 `postprocess` appends each sampled token and decides the token-based finishes (nano-vllm's `postprocess`).
 
-Bucket fit (`_fit_to_bucket`): the runner pads a step's rows up to the next compiled token bucket, and in a
-compute-bound step a padded row costs what a real one does. So a large step that spills over a bucket only by
-prefill tokens is cut back to that bucket; the cut tokens lead the next step.
+Bucket fit (`_fit_to_bucket`, off unless `bucket_fit_min_tokens` is set): the runner pads a step's rows up to the
+next compiled token bucket, and in a compute-bound step a padded row costs what a real one does. So a large step
+that spills over a bucket only by prefill tokens is cut back to that bucket; the cut tokens lead the next step. Off
+by default: on the peer V4 checkpoint at c=8 (budget 4,096) a fit at 512 shortened a wave's longest step 1.33 ->
+1.04 s in-process, but served runs alternated with it off measured no TTFT gain and 2-3 ms more TPOT (17 rounds).
 """
 
 from __future__ import annotations
@@ -40,8 +42,6 @@ class SchedulerConfig:
 
     long_prefill_token_threshold: int = field(default=0, metadata={
         "help": "cap on one request's prefill tokens per step while others run or wait (0: off)"})
-    # Off by default: on the peer V4 checkpoint at c=8 (budget 4096) 512 cut a wave's longest step 1.33 -> 1.04 s
-    # in-process, but served runs alternated with 0 measured no TTFT gain and ~2-3 ms more TPOT (17 rounds).
     bucket_fit_min_tokens: int = field(default=0, metadata={
         "help": "a step that spills over a compiled token bucket of at least this many tokens only by prefill tokens "
                 "is cut back to that bucket instead of padding to the next one (the cut tokens lead the next step); "
