@@ -64,21 +64,27 @@ def pytest_report_header(config):
     return f"kernel tests seed: {util._seed}"
 
 
+def release_compiled_programs(fraction: float = 0.25, reader=memory_maps) -> bool:
+    """Drop JAX's in-memory caches of compiled programs when this process holds over `fraction` of the kernel's
+    memory maps; True when it did. XLA:CPU maps each program's code in hundreds of pieces and JAX's caches keep
+    programs of functions no test still holds: an xdist worker that ran ~half the suite reached 64,401 of 65,530
+    maps, where the runtime's guard (serving/runtime/map_limit.py) stops compiling rather than let the process
+    crash. Clearing gave a toy run's 1,921 maps back down to 493; later files compile again what they use (the
+    persistent cache serves the larger programs)."""
+    got = reader()
+    if got is None or got[0] <= got[1] * fraction:
+        return False
+    jax.clear_caches()
+    gc.collect()
+    return True
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
-    """After a test file's last test (its fixtures torn down), drop JAX's in-memory caches of compiled programs when
-    this process holds over a quarter of the kernel's memory maps. XLA:CPU maps each program's code in hundreds of
-    pieces and JAX's caches keep programs of functions no test still holds: an xdist worker that ran ~half the suite
-    reached 64,401 of 65,530 maps, where the runtime's guard (serving/runtime/map_limit.py) stops compiling rather
-    than let the process crash. Clearing gave a toy run's 1,921 maps back down to 493; later files compile again what
-    they use (the persistent cache serves the larger programs)."""
+    """After a test file's last test (its fixtures torn down): `release_compiled_programs`."""
     yield
-    if nextitem is not None and getattr(nextitem, "module", None) is getattr(item, "module", None):
-        return
-    got = memory_maps()
-    if got is not None and got[0] > got[1] // 4:
-        jax.clear_caches()
-        gc.collect()
+    if nextitem is None or getattr(nextitem, "module", None) is not getattr(item, "module", None):
+        release_compiled_programs()
 
 
 @pytest.fixture(scope="session")

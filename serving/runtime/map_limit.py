@@ -58,7 +58,9 @@ class MapLimitGuard:
                 f"this process holds {count:,} memory maps and a compiled program adds up to ~{self.per_program:,}; "
                 f"the kernel allows vm.max_map_count = {limit:,}, past which XLA:CPU's code allocation fails and the "
                 f"process crashes. Raise the limit (sudo sysctl -w vm.max_map_count=262144), compile fewer buckets "
-                f"(--token-buckets, a smaller --max-num-batched-tokens) or run fewer engines in this process.")
+                f"(--token-buckets, a smaller --max-num-batched-tokens) or run fewer engines in this process (in a "
+                f"notebook: drop the engines you are done with, then jax.clear_caches(), which also frees programs "
+                f"JAX keeps for functions nothing uses any more).")
         if self.per_program:
             self._skip = max(0, (limit - count) // (2 * self.per_program) - 1)
 

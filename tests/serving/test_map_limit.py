@@ -3,6 +3,8 @@ as often as the headroom requires, and the runner consults it before every compi
 
 import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 import dsv41
@@ -35,7 +37,7 @@ def test_raises_while_the_next_programs_still_fit_and_reads_rarely():
             proc.compile(guard)
     assert proc.count + 800 <= proc.limit  # stopped before the program that would not fit
     assert proc.count + 2 * 800 > proc.limit - 2 * 800  # and not long before: within a couple of programs
-    assert guard.per_program == 800 and "~800" in str(err.value)
+    assert guard.per_program == 800 and "~800" in str(err.value) and "jax.clear_caches()" in str(err.value)
     assert proc.reads < 20  # ~80 programs compiled, /proc read about every half of the headroom
 
 
@@ -63,3 +65,17 @@ def test_the_runner_asks_before_compiling(monkeypatch):
     with pytest.raises(RuntimeError, match="memory maps"):
         runner.precompile()
     assert runner.compiled_keys == [] and proc.reads == 1
+
+
+def test_the_suite_releases_compiled_programs_past_a_quarter_of_the_limit():
+    from tests.conftest import release_compiled_programs
+
+    f = jax.jit(lambda x: x * 3 + 1)
+    f(jnp.ones(3))
+    assert f._cache_size() == 1
+    assert not release_compiled_programs(reader=lambda: (16_000, 65_530))  # under a quarter: kept
+    assert not release_compiled_programs(reader=lambda: None)  # nothing to read: kept
+    assert f._cache_size() == 1
+    assert release_compiled_programs(reader=lambda: (16_500, 65_530))
+    assert f._cache_size() == 0
+    assert float(f(jnp.ones(3))[0]) == 4.0  # compiles again when used
