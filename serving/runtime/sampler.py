@@ -49,26 +49,27 @@ def sample(logits_RV: jax.Array, p: dict, *, max_top_k: int
     here, two vocabulary-wide top-k's of 0.35 ms each among it."""
     raw = logits_RV.astype(jnp.float32)
     R, V = raw.shape
-    logits = _without_banned(raw, p["banned"])
     K = min(max_top_k, V)
     greedy = p["temperature"] <= 0
     temp = jnp.where(greedy, 1.0, p["temperature"])[:, None]
     keys = jax.vmap(lambda s, pos: jax.random.fold_in(jax.random.key(s), pos))(p["seed"], p["position"])
+    filtered = (p["top_k"] > 0) | (p["top_p"] < 1) | (p["min_p"] > 0)
 
     def gumbel(shape_tail):
         return jax.vmap(lambda k: jax.random.gumbel(k, shape_tail, jnp.float32))(keys)
 
-    filtered = (p["top_k"] > 0) | (p["top_p"] < 1) | (p["min_p"] > 0)
+    def draw(logits):
+        def filtered_draw():
+            cand_ids, scaled, keep = _candidates(logits, p, temp, K)
+            cand_choice = argmax(jnp.where(keep, scaled + gumbel((K,)), -jnp.inf))
+            return jnp.take_along_axis(cand_ids, cand_choice[:, None], axis=-1)[:, 0]
 
-    def filtered_draw():
-        cand_ids, scaled, keep = _candidates(logits, p, temp, K)
-        cand_choice = argmax(jnp.where(keep, scaled + gumbel((K,)), -jnp.inf))
-        return jnp.take_along_axis(cand_ids, cand_choice[:, None], axis=-1)[:, 0]
+        zeros = lambda: jnp.zeros((R,), jnp.int32)  # noqa: E731
+        filtered_tok = jax.lax.cond(jnp.any(~greedy & filtered), filtered_draw, zeros)
+        full_tok = jax.lax.cond(jnp.any(~greedy & ~filtered), lambda: argmax(logits / temp + gumbel((V,))), zeros)
+        return jnp.where(greedy, argmax(logits), jnp.where(filtered, filtered_tok, full_tok))
 
-    zeros = lambda: jnp.zeros((R,), jnp.int32)  # noqa: E731
-    filtered_tok = jax.lax.cond(jnp.any(~greedy & filtered), filtered_draw, zeros)
-    full_tok = jax.lax.cond(jnp.any(~greedy & ~filtered), lambda: argmax(logits / temp + gumbel((V,))), zeros)
-    tok = jnp.where(greedy, argmax(logits), jnp.where(filtered, filtered_tok, full_tok))
+    tok = _with_bans(draw, raw, p["banned"])
     top_lp, top_ids = top_logprobs(raw, p["logprobs"])
     return tok.astype(jnp.int32), token_logprobs(raw, tok), top_ids, top_lp
 
@@ -130,16 +131,18 @@ def argmax(x_NV: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(at, jnp.arange(x_NV.shape[-1], dtype=jnp.int32), x_NV.shape[-1]), axis=-1)
 
 
-def _without_banned(raw_NV: jax.Array, ban_NB: jax.Array) -> jax.Array:
-    """Logits with each row's banned ids (-1: none) at -inf (the [N, V] mask only in a step that bans any)."""
+def _with_bans(fn, raw_NV: jax.Array, ban_NB: jax.Array):
+    """`fn` of the logits with each row's banned ids (-1: none) at -inf; the [N, V] mask only in a step that bans
+    any. The cond returns what `fn` returns, never the logits themselves: a branch returning its [N, V] operand
+    unchanged made XLA copy it on every step ([32, 129,280] float32: 1.2-1.6 of a ~4 ms greedy sample on a CPU)."""
     N, V = raw_NV.shape
 
-    def ban():
+    def banned():
         hits = jnp.zeros((N, V), jnp.int32).at[jnp.arange(N)[:, None], jnp.maximum(ban_NB, 0)].add(
             (ban_NB >= 0).astype(jnp.int32))
-        return jnp.where(hits > 0, -jnp.inf, raw_NV)
+        return fn(jnp.where(hits > 0, -jnp.inf, raw_NV))
 
-    return jax.lax.cond(jnp.any(ban_NB >= 0), ban, lambda: raw_NV)
+    return jax.lax.cond(jnp.any(ban_NB >= 0), banned, lambda: fn(raw_NV))
 
 
 def _candidates(logits_NV: jax.Array, p: dict, temp_N1: jax.Array, K: int
@@ -163,16 +166,17 @@ def target_logprobs(logits_NV: jax.Array, p: dict, *, max_top_k: int) -> tuple[j
     Speculative verification reads it (serving.runtime.speculative)."""
     raw = logits_NV.astype(jnp.float32)
     N, V = raw.shape
-    logits = _without_banned(raw, p["banned"])
     greedy = p["temperature"] <= 0
     temp = jnp.where(greedy, 1.0, p["temperature"])[:, None]
     filtered = ((p["top_k"] > 0) | (p["top_p"] < 1) | (p["min_p"] > 0)) & ~greedy
 
-    def with_filters():
-        cand_ids, _, keep = _candidates(logits, p, temp, min(max_top_k, V))
-        kept_V = jnp.zeros((N, V), jnp.bool_).at[jnp.arange(N)[:, None], cand_ids].set(keep)
-        return jnp.where(filtered[:, None] & ~kept_V, -jnp.inf, logits / temp)
+    def scaled(logits):
+        def with_filters():
+            cand_ids, _, keep = _candidates(logits, p, temp, min(max_top_k, V))
+            kept_V = jnp.zeros((N, V), jnp.bool_).at[jnp.arange(N)[:, None], cand_ids].set(keep)
+            return jnp.where(filtered[:, None] & ~kept_V, -jnp.inf, logits / temp)
 
-    # the candidate top-k only when a row filters (a greedy batch needs the argmax alone)
-    scaled = jax.lax.cond(jnp.any(filtered), with_filters, lambda: logits / temp)
-    return jax.nn.log_softmax(scaled, axis=-1), greedy
+        # the candidate top-k only when a row filters (a greedy batch needs the argmax alone)
+        return jax.lax.cond(jnp.any(filtered), with_filters, lambda: logits / temp)
+
+    return jax.nn.log_softmax(_with_bans(scaled, raw, p["banned"]), axis=-1), greedy

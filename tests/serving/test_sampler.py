@@ -1,5 +1,6 @@
 """On-device sampling: per-request parameters as arrays, seeds, filters, and no sort in the HLO."""
 
+import functools
 import re
 
 import jax
@@ -138,6 +139,18 @@ def test_banned_ids_are_never_sampled_and_logprobs_stay_raw():
     assert tok[0] == top2[0, 1] and tok[2] == top2[2, 1] and tok[1] not in banned[1] and tok[3] == top2[3, 0]
     ref = logits - np.log(np.exp(logits).sum(1, keepdims=True))
     np.testing.assert_allclose(np.asarray(lp), ref[np.arange(4), tok], rtol=1e-5)
+
+
+@pytest.mark.parametrize("fn", ["sample", "target_logprobs"])
+def test_no_copy_of_the_logits_when_nothing_is_banned(fn):
+    """The ban mask is a cond; a branch that handed back its [R, V] operand unmasked made XLA copy the logits on
+    every step ([32, 129,280] float32: 1.2-1.6 of a ~4 ms greedy sample on a CPU). No f32[R, V] copy in the HLO."""
+    from serving.runtime import sampler
+
+    p = sampling_arrays([SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9)], [0, 0], 2, 0)
+    f = jax.jit(functools.partial(getattr(sampler, fn), max_top_k=64))
+    hlo = f.lower(jnp.zeros((2, V), jnp.float32), p).compile().as_text()
+    assert not re.search(rf"= f32\[2,{V}\]\{{1,0\}} copy\(", hlo)
 
 
 def test_argmax_is_jnp_argmax_with_ties_infinities_and_nans():
