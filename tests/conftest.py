@@ -7,16 +7,28 @@ import os
 # the HLO checks still see the serving programs; tiny's runtime precompile measured 63 s -> 39 s, results
 # within every test's tolerance and the bitwise ones still bitwise). Subprocesses get it through `xla_env`.
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count="
+
+
+def caller_xla_flags(flags: str) -> str:
+    """The flags of an inherited XLA_FLAGS that are not the suite's own. They follow the suite's flags in this
+    process and every subprocess (a later flag wins), so `XLA_FLAGS=--xla_cpu_max_isa=AVX2 make test` runs the whole
+    suite on XLA code for an AVX2 machine; a device count is dropped (each test sets the one it needs)."""
+    ours = set(TEST_XLA_FLAGS.split())
+    return " ".join(f for f in flags.split() if f not in ours and not f.startswith(DEVICE_COUNT_FLAG))
+
+
+CALLER_XLA_FLAGS = caller_xla_flags(os.environ.get("XLA_FLAGS", ""))
 
 
 def xla_env(devices: int = 8) -> dict[str, str]:
-    """os.environ for a subprocess on `devices` virtual CPU devices with the suite's XLA flags."""
-    return {**os.environ, "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {TEST_XLA_FLAGS}"}
+    """os.environ for a subprocess on `devices` virtual CPU devices with the suite's XLA flags, then the caller's."""
+    flags = f"{DEVICE_COUNT_FLAG}{devices} {TEST_XLA_FLAGS} {CALLER_XLA_FLAGS}".strip()
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
 
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {TEST_XLA_FLAGS}")
+os.environ["XLA_FLAGS"] = xla_env()["XLA_FLAGS"]
 
 import gc
 import tempfile
