@@ -245,10 +245,27 @@ def segment2(module, layout: CacheLayout, cache: dict, carry_buf: SegmentCarry, 
     return cache, logits, rows, _counts(expert_counts, choices, kept.valid_K, module)
 
 
+# Rows per head call of the prompt logprobs. A compiled step reserves its cond branches' temporaries whether or not
+# a step takes them, and a call's [rows, V] float32 logits and log-probabilities are V4's vocabulary x 8 bytes a row:
+# 265 MB at 256 rows, 8.5 GB for the 8,192 kept rows of a full-size prefill step in one call.
+PROMPT_LOGPROB_ROWS = 256
+
+
 def _prompt_logprobs(module, h_TD: jax.Array, next_T: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    logp = jax.nn.log_softmax(module.head(h_TD, jnp.float32), axis=-1)
-    top_lp, top_ids = jax.lax.top_k(logp, min(MAX_LOGPROBS, logp.shape[-1]))
-    return jnp.take_along_axis(logp, next_T[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_lp
+    """Each row's log-probability of next_T [T], and its MAX_LOGPROBS most likely ids and log-probabilities
+    [T, MAX_LOGPROBS], PROMPT_LOGPROB_ROWS rows at a time (the last group padded with zero rows)."""
+    T, D = h_TD.shape
+    n = min(T, PROMPT_LOGPROB_ROWS)
+    pad = -T % n
+
+    def rows(h_nD: jax.Array, next_n: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        logp = jax.nn.log_softmax(module.head(h_nD, jnp.float32), axis=-1)
+        top_lp, top_ids = jax.lax.top_k(logp, min(MAX_LOGPROBS, logp.shape[-1]))
+        return jnp.take_along_axis(logp, next_n[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_lp
+
+    groups = (jnp.pad(h_TD, ((0, pad), (0, 0))).reshape(-1, n, D), jnp.pad(next_T, (0, pad)).reshape(-1, n))
+    out = jax.lax.map(lambda g: rows(*g), groups)
+    return tuple(a.reshape(-1, *a.shape[2:])[:T] for a in out)
 
 
 def _no_prompt_logprobs(T: int, V: int) -> tuple[jax.Array, jax.Array, jax.Array]:

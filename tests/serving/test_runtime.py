@@ -283,3 +283,29 @@ def test_head_runs_on_at_most_the_kept_rows_of_requests(model):
     shapes = [tuple(e.outvars[0].aval.shape) for e in equations(jaxpr) if e.primitive.name == "dot_general"]
     assert (2, V) in shapes and (S, V) not in shapes, shapes
     assert (S, V) in [tuple(a.shape) for a in jaxpr.out_avals]  # the logits
+
+
+def test_prompt_logprobs_run_the_head_a_group_of_rows_at_a_time(model, monkeypatch):
+    """A compiled step reserves its cond branches' temporaries whether or not a step takes them, so the prompt
+    logprobs' head runs PROMPT_LOGPROB_ROWS rows at a time: no [K, V] float32 buffer in the compiled segment 2, and
+    the full forward's logprobs across groups and a padded last group (30 rows: 12 + 12 + 6, padded to 12)."""
+    from serving.runtime import segments
+    from serving.runtime.batch import SeqChunk
+
+    monkeypatch.setattr(segments, "PROMPT_LOGPROB_ROWS", 12)
+    r = compiled_runner(model, **{**RC, "token_buckets": (32,)}, swa_bounded_replay=True)
+    V = model.config.vocab_size
+    hlo = r.compiled_text(("seg2", 32))
+    assert f"f32[12,{V}]" in hlo and f"f32[32,{V}]" not in hlo
+    d = Driver(r)
+    prompt = _prompt(15, 31)
+    d.start("a", prompt, keep_all=True)
+    assert d.bm.allocate("a", 30)
+    ch = SeqChunk(slot=d.reqs["a"].slot, block_table=d.bm.block_table("a"), token_ids=prompt, start=0, end=30,
+                  prompt_logprobs=True)
+    rows = r.step([ch], [None]).prompt_logprobs[0]
+    full = np.asarray(full_logits(model, prompt), np.float64)[:30]
+    logp = full - full.max(1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(1, keepdims=True))
+    assert np.abs(rows.logprob - logp[np.arange(30), prompt[1:31]]).max() <= 1e-4
+    assert (rows.top_ids[:, :2] == np.argsort(-logp, axis=1)[:, :2]).all()
