@@ -8,11 +8,11 @@ backend - G layers of one structure run three ways, compile time and step time s
 Each layer is a real V4.1 block (`--layer` of `--model`, default: `small`'s decoder reader 7) with G distinct
 weight copies: mHC, the attention projections (queries, KV, grouped output) with the attention core left out
 (it reads the cache, not weights), and the MoE. The layers enter with a pending FFN output, as every layer
-after the first does. Times: compile = lower + XLA compile; step = median of `--repeats` runs, the variants
-alternating run by run. All three must give the same bits (checked). `sliced MB` is what the scanned program's
-loop copies out of the stacked parameters per layer (its dynamic slices along the layer axis, from the compiled
-HLO): XLA:CPU feeds a dot or gather from a contiguous buffer, so each iteration copies its layer's weights first.
-Prints a table, writes JSON.
+after the first does. Times: compile = lower + XLA compile (per-layer: its first call, which also runs the G
+layers once); step = median of `--repeats` runs, the variants alternating run by run. All three must give the same
+bits (checked). `sliced MB` is what the scanned program's loop copies out of the stacked parameters per layer (its
+dynamic slices along the layer axis, from the compiled HLO): XLA:CPU feeds a dot or gather from a contiguous
+buffer, so each iteration copies its layer's weights first. Prints a table, writes JSON.
 """
 
 from __future__ import annotations
@@ -117,8 +117,7 @@ def measure(stack: LayerStack, T: int, repeats: int) -> dict:
         t0 = time.perf_counter()
         programs[name] = (jax.jit(fn).lower(params, R, y, pos, ids).compile(), params)
         out[name] = {"compile_s": time.perf_counter() - t0}
-    t0 = time.perf_counter()  # the per-layer form compiles its one layer (the first call) and its entry
-
+    t0 = time.perf_counter()  # the per-layer form compiles its entry and its one layer in its first call
     entry = jax.jit(stack.entry)
 
     def per_layer():
@@ -163,8 +162,8 @@ def main(argv=None) -> None:
     model = dsv41.random_model(args.model, dtype="bfloat16")
     rows, failures = [], []
     print(f"{args.model} layer {args.layer}: {model.config.roles[args.layer]}")
-    print(f"| G | rows | unrolled compile s | scanned | per-layer | unrolled step ms | scanned | per-layer "
-          f"| scanned / unrolled step | scanned sliced MB per layer (of its weights) |")
+    print("| G | rows | unrolled compile s | scanned | per-layer | unrolled step ms | scanned | per-layer "
+          "| scanned / unrolled step | scanned sliced MB per layer (of its weights) |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for G in (int(g) for g in args.layers.split(",")):
         stack = LayerStack(model, args.layer, G)
