@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The prepared run for a lent GPU (an H200), sized for one lease (~13 minutes of steps): the kernels' benchmark,
 # the served step on the full-width slice preset (then a traced run of it, summarised per op), the kernel tests
-# compiled for the device, then async scheduling against one step at a time, each under its own time limit
-# (KERNEL_BENCH_S, SLICE_S, PROFILE_S, TESTS_S, ASYNC_S), every result under $OUT (default ./gpu_out; at most 8
-# files) as soon as it exists, so a run cut short keeps the steps that finished.
+# compiled for the device, then async scheduling against one step at a time, then a layer scan's cost (does XLA:GPU
+# copy each layer's weights out of the stack, as XLA:CPU does?), each under its own time limit (KERNEL_BENCH_S,
+# SLICE_S, PROFILE_S, TESTS_S, ASYNC_S, LAYER_SCAN_S), every result under $OUT (default ./gpu_out; at most 8 files)
+# as soon as it exists, so a run cut short keeps the steps that finished.
 # First run (2026-12-04): the slice's 13 programs compiled cold in 276 s; from JAX's cache in 31 s.
-# The default limits add up to ~760 s, past one 600 s device call: lower some (e.g. SLICE_S, PROFILE_S) to reach the
+# The default limits add up to ~850 s, past one 600 s device call: lower some (e.g. SLICE_S, PROFILE_S) to reach the
 # last steps in one call, or run the rest in a second call on the warm machine.
 # Needs a Python with jax's CUDA plugin (the device image's python3 has jax 0.11.2 + cuda13);
 # flax / orbax wheels in .whl/ are installed first when that Python's are missing or too old. Scratch files (those
@@ -85,5 +86,9 @@ step "async scheduling against one step at a time: the engine's decode step on t
 timeout -k 5 "${ASYNC_S:-120}" "$PY" -m serving.bench.async_scheduling --model small --batches 8,64 --steps 24 \
     --repeats 3 --compilation-cache-dir "$WORK/jax_cache" --out "$OUT/async_scheduling.json" 2>&1 \
     | tail -12 | tee -a "$OUT/steps.log"
+echo "rc ${PIPESTATUS[0]}" | tee -a "$OUT/steps.log"
+step "one compiled body per layer structure: G same-structure layers unrolled / scanned / one layer (small, bf16)"
+timeout -k 5 "${LAYER_SCAN_S:-90}" "$PY" -m serving.bench.layer_scan --layers 3,5 --tokens 8,512 \
+    --out "$WORK/layer_scan.json" 2>&1 | grep -v "freed memory" | tee -a "$OUT/steps.log"
 echo "rc ${PIPESTATUS[0]}" | tee -a "$OUT/steps.log"
 step "done"
