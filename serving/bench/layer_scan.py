@@ -18,6 +18,7 @@ buffer, so each iteration copies its layer's weights first. Prints a table, writ
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import statistics
@@ -31,6 +32,7 @@ from flax import nnx
 import dsv41
 from dsv41.block import Streams, attention_input, ffn_and_output
 from dsv41.layers.rope import inv_freq, rope_angles
+from serving.bench.sharding_report import hlo_array_bytes
 from serving.runtime.host_memory import keep_freed_memory_or_say
 
 VARIANTS = ("unrolled", "scanned", "per-layer")
@@ -89,34 +91,22 @@ def _inputs(c, T: int):
     return R, y, jnp.arange(T, dtype=jnp.int32), jnp.asarray(rng.integers(0, c.vocab_size, T), jnp.int32)
 
 
-def _hlo_itemsize(hlo_dtype: str) -> int:
-    """Bytes per element of an HLO element type (bf16, f32, s32, pred, f8e4m3fn, ...)."""
-    if hlo_dtype == "pred":
-        return 1
-    bits = re.match(r"[a-z]+(\d+)", hlo_dtype)
-    if bits is None:
-        raise ValueError(f"unknown HLO element type {hlo_dtype!r}")
-    return max(1, int(bits.group(1)) // 8)
-
-
 def layer_axis_slice_bytes(hlo_text: str) -> int:
     """Bytes of the dynamic slices along a leading layer axis in a compiled program's text (one iteration's)."""
-    total = 0
-    for dtype, dims in re.findall(r"= (\w+)\[([\d,]+)\]\{[\d,]*\} dynamic-slice\(", hlo_text):
-        shape = [int(d) for d in dims.split(",")]
-        if shape[0] == 1 and len(shape) >= 2:
-            total += int(np.prod(shape)) * _hlo_itemsize(dtype)
-    return total
+    slices = re.findall(r"= (\w+)\[([\d,]+)\]\{[\d,]*\} dynamic-slice\(", hlo_text)
+    return sum(hlo_array_bytes(dtype, dims) for dtype, dims in slices if dims.startswith("1,"))
 
 
 def measure(stack: LayerStack, T: int, repeats: int) -> dict:
     """{variant: {compile_s, step_ms}} for T rows, plus the bit check and the scanned loop's sliced bytes."""
     R, y, pos, ids = _inputs(stack.c, T)
-    programs, out = {}, {}
+    runs, out = {}, {}
     for name, fn, params in (("unrolled", stack.unrolled, stack.per_layer), ("scanned", stack.scanned, stack.stacked)):
         t0 = time.perf_counter()
-        programs[name] = (jax.jit(fn).lower(params, R, y, pos, ids).compile(), params)
+        exe = jax.jit(fn).lower(params, R, y, pos, ids).compile()
         out[name] = {"compile_s": time.perf_counter() - t0}
+        runs[name] = functools.partial(exe, params, R, y, pos, ids)
+    scanned_hlo = exe.as_text()
     t0 = time.perf_counter()  # the per-layer form compiles its entry and its one layer in its first call
     entry = jax.jit(stack.entry)
 
@@ -128,11 +118,7 @@ def measure(stack: LayerStack, T: int, repeats: int) -> dict:
 
     first = per_layer().block_until_ready()
     out["per-layer"] = {"compile_s": time.perf_counter() - t0}
-    runs = {
-        "unrolled": lambda: programs["unrolled"][0](programs["unrolled"][1], R, y, pos, ids),
-        "scanned": lambda: programs["scanned"][0](programs["scanned"][1], R, y, pos, ids),
-        "per-layer": per_layer,
-    }
+    runs["per-layer"] = per_layer
     results = {name: run().block_until_ready() for name, run in runs.items()}
     times = {name: [] for name in runs}
     for _ in range(repeats):
@@ -145,7 +131,7 @@ def measure(stack: LayerStack, T: int, repeats: int) -> dict:
         out[name]["step_ms"] = statistics.median(times[name]) * 1e3
         out[name]["same_bits"] = bool(np.array_equal(np.asarray(results[name].astype(jnp.float32)), ref))
     out["per-layer"]["same_bits"] &= bool(np.array_equal(np.asarray(first.astype(jnp.float32)), ref))
-    out["scanned"]["sliced_mb_per_layer"] = layer_axis_slice_bytes(programs["scanned"][0].as_text()) / 1e6
+    out["scanned"]["sliced_mb_per_layer"] = layer_axis_slice_bytes(scanned_hlo) / 1e6
     return out
 
 

@@ -142,13 +142,17 @@ def memory_report(preset: str, pc: ParallelConfig, *, weights: str = "release", 
     return out
 
 
+def hlo_array_bytes(dtype: str, dims: str) -> int:
+    """Bytes of an HLO array `dtype[dims]` as the text writes it ("bf16", "16,256"; "" for a scalar)."""
+    return _DTYPE_BYTES.get(dtype, 4) * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+
+
 def collective_bytes(hlo_text: str) -> dict[str, dict[str, int]]:
     """{op: {count, bytes}} of the collectives in a compiled HLO module (result shapes)."""
     out: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
     for m in _OP.finditer(hlo_text):
         shape, op = m.groups()
-        nbytes = sum(_DTYPE_BYTES.get(dt, 4) * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-                     for dt, dims in re.findall(r"([a-z0-9]+)\[([0-9,]*)\]", shape))
+        nbytes = sum(hlo_array_bytes(dt, dims) for dt, dims in re.findall(r"([a-z0-9]+)\[([0-9,]*)\]", shape))
         out[op]["count"] += 1
         out[op]["bytes"] += nbytes
     return dict(out)
