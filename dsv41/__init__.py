@@ -10,4 +10,4 @@ from dsv41.config import PRESETS, ConfigError, LayerRole, ModelConfig, load_conf
 from dsv41.safetensors_io import CheckpointError
 
 __all__ = ["CheckpointError", "ConfigError", "LayerRole", "Model", "ModelConfig", "PRESETS", "abstract_params",
-           "load", "load_config", "random_model"]
+           "auto_dtype", "load", "load_config", "random_model"]

@@ -7,6 +7,7 @@ parameter leaves (the graph definition is static), so repeated calls pay no NNX 
 
 from __future__ import annotations
 
+import copy
 import functools
 import time
 from pathlib import Path
@@ -22,9 +23,10 @@ from dsv41.config import ModelConfig, load_config
 from dsv41.engram_host import HostEngramTables
 from dsv41.init import random_params, random_release_params
 from dsv41.layers.engram import EngramLayout, build_compressed_token_map
-from dsv41.layers.moe import set_kernel_impl
+from dsv41.layers.basic import with_kernels
 from dsv41.model import Transformer, forward, published_rows
 from dsv41.safetensors_io import CheckpointError, open_checkpoint
+from pallas_kernels.kernel_config import KernelConfig
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -64,12 +66,15 @@ def _published_leaves(graphdef, treedef, leaves, ids, hashes, *, fake_quant: boo
 
 
 class Model:
-    """A loaded model: `config`, `params` ({path: array}), `logits(input_ids)`."""
+    """A loaded model: `config`, `params` ({path: array}), `logits(input_ids)`; `kernels`, the fused ops' kernels
+    its forward runs (`with_kernels` gives the same model with others)."""
 
     def __init__(self, config: ModelConfig, params: dict[tuple, jax.Array], *, dtype=jnp.float32,
-                 token_map: np.ndarray | None = None, engram_tables: HostEngramTables | None = None):
-        """`engram_tables`: the Engram tables in host memory (then `params` holds none of them)."""
-        self.config, self.dtype = config, jnp.dtype(dtype)
+                 token_map: np.ndarray | None = None, engram_tables: HostEngramTables | None = None,
+                 kernels: KernelConfig = KernelConfig()):
+        """`engram_tables`: the Engram tables in host memory (then `params` holds none of them). `kernels`: the
+        implementation of the fused ops (`pallas_kernels`) and the XLA path's MoE small-step forms."""
+        self.config, self.dtype, self.kernels = config, jnp.dtype(dtype), kernels
         self.engram_tables = engram_tables
         self.formats = weight_formats.of_params(config, params)
         if engram_tables is not None:
@@ -84,7 +89,9 @@ class Model:
                                       f"{list(params[path].shape)}, expected {spec.dtype}{list(spec.shape)}")
         self.params = {p: jnp.asarray(params[p]) for p in abstract}
         state = nnx.from_flat_state([(p, nnx.Param(v)) for p, v in self.params.items()])
-        self.module = nnx.merge(graphdef, state)
+        self.module = nnx.merge(graphdef, state)  # its modules hold the default KernelConfig()
+        if kernels != KernelConfig():
+            self.module = with_kernels(self.module, kernels)
         self._leaves, self._treedef = jax.tree.flatten(nnx.split(self.module)[1])
         self.refresh()
         self.engram = EngramLayout.from_config(config) if config.engram_layer_ids else None
@@ -108,11 +115,15 @@ class Model:
         self._published = jax.jit(functools.partial(_published_leaves, graphdef, self._treedef),
                                   static_argnames=("fake_quant",))
 
-    def set_kernel_impl(self, impl: str) -> None:
-        """Run `logits`, `masked_logits` and `published_rows` with the fused ops (`pallas_kernels`) of `impl`:
-        "auto" (the default: Pallas on a GPU, XLA elsewhere) | "reference" | "xla" | "pallas"."""
-        set_kernel_impl(self.module, impl)
-        self.refresh()
+    def with_kernels(self, kernels: KernelConfig) -> Model:
+        """This model running its fused ops (`logits`, `masked_logits`, `published_rows`, a runner's steps) with
+        `kernels`, e.g. `KernelConfig(impl="reference")`: a new Model over the same parameter arrays (nothing is
+        copied); this one is left as it is."""
+        new = copy.copy(self)
+        new.kernels, new.module = kernels, with_kernels(self.module, kernels)
+        new._leaves, new._treedef = jax.tree.flatten(nnx.split(new.module)[1])
+        new.refresh()
+        return new
 
     def compiled_text(self, n_tokens: int, *, fake_quant: bool = False) -> str:
         """The optimised HLO of the exact forward over `n_tokens` ids (e.g. to check which sorts and TopKs
@@ -149,7 +160,7 @@ class Model:
             scales.append(np.asarray(s))
         params = {p: v for p, v in self.params.items() if p[2:4] != ("engram", "embed")}
         return Model(self.config, params, dtype=self.dtype, token_map=self.token_map,
-                     engram_tables=HostEngramTables(values, scales))
+                     engram_tables=HostEngramTables(values, scales), kernels=self.kernels)
 
     @property
     def num_parameters(self) -> int:
@@ -211,7 +222,8 @@ class Model:
 
 
 def load(path: str | Path, dtype: str | jnp.dtype | None = None, *, weights: str = "release",
-         engram_cpu_offload: bool = False, shardings=None, progress: bool = False) -> Model:
+         engram_cpu_offload: bool = False, shardings=None, progress: bool = False,
+         kernels: KernelConfig = KernelConfig()) -> Model:
     """A release checkpoint folder (config.json + safetensors) -> Model, or a folder written by
     `Model.save_converted` (in the dtype and formats it was saved with).
 
@@ -221,7 +233,8 @@ def load(path: str | Path, dtype: str | jnp.dtype | None = None, *, weights: str
     engram_cpu_offload: the FP8 Engram tables stay in host memory, mapped from the files (`dsv41.engram_host`);
     each forward gathers the rows it needs.
     shardings: `(parameter path, shape) -> Sharding` (e.g. `sharding.rules.param_sharding_fn(mesh)`): each
-    device receives only its shard of each tensor, streamed from the mapped files. progress: a loading bar."""
+    device receives only its shard of each tensor, streamed from the mapped files. progress: a loading bar.
+    kernels: the fused ops' kernels (`Model.kernels`)."""
     folder = Path(path)
     config = load_config(folder)
     if weights not in ("release", "dequantize"):
@@ -234,7 +247,7 @@ def load(path: str | Path, dtype: str | jnp.dtype | None = None, *, weights: str
         formats = weight_formats.from_json(meta.get("formats", []))
         _, abstract = abstract_params(config, DTYPES[saved], meta["engram_fp8"], formats)
         params, token_map = converted.load_converted(folder, abstract)
-        model = Model(config, params, dtype=DTYPES[saved], token_map=token_map)
+        model = Model(config, params, dtype=DTYPES[saved], token_map=token_map, kernels=kernels)
         return model.with_engram_on_host() if engram_cpu_offload else model
     entries = open_checkpoint(folder)
     dt = resolve_dtype(dtype or "float32", entries)
@@ -258,7 +271,7 @@ def load(path: str | Path, dtype: str | jnp.dtype | None = None, *, weights: str
         if size != config.engram_compressed_vocab_size:
             raise CheckpointError(f"tokenizer.json gives {size} compressed Engram ids but "
                                   f"engram_compressed_vocab_size is {config.engram_compressed_vocab_size}")
-    return Model(config, params, dtype=dt, token_map=token_map, engram_tables=tables)
+    return Model(config, params, dtype=dt, token_map=token_map, engram_tables=tables, kernels=kernels)
 
 
 def resolve_dtype(dtype: str | jnp.dtype, entries: dict | None = None) -> jnp.dtype:
@@ -279,8 +292,8 @@ def auto_dtype(entries: dict, *, release: bool | None = None) -> jnp.dtype:
     says it without entries, e.g. for a preset), float32 for one stored in float32 - except that on a CPU backend
     bfloat16 is used only where this CPU runs XLA's bfloat16 matmuls clearly faster than float32 ones
     (`cpu_prefers_bfloat16`). XLA:CPU hands bf16 dots of 2+ rows to YNNPACK, which uses AMX or AVX512-BF16 where
-    the CPU has them (on this AMX machine a [1024, 4096] x [4096, 4096] dot ran at 1,255 GFLOP/s in bf16 vs 271
-    in f32); without them bf16 is converted and slower than f32 (on an AVX2 machine 98-111 vs 131-159 GFLOP/s)."""
+    the CPU has them (there bf16 runs several times faster than f32); without them bf16 is converted and slower than
+    f32 (docs/design/measurements.md)."""
     stored = {e.dtype for e in entries.values()}
     wants_bf16 = bool(stored & {"BF16", "F16", "F8_E4M3", "I8"}) if release is None else release
     return jnp.dtype(jnp.bfloat16 if wants_bf16 and (not _on_cpu() or cpu_prefers_bfloat16()) else jnp.float32)
@@ -296,10 +309,10 @@ BF16_MARGIN = 1.25  # bfloat16 must beat float32 by this factor: a near tie stay
 @functools.cache
 def cpu_prefers_bfloat16() -> bool:
     """Whether XLA:CPU runs a [256, 2048] x [2048, 2048] matmul at least BF16_MARGIN x faster in bfloat16 than in
-    float32 on this machine (best of 3 each, once per process: ~0.2 s, ~0.35 s with the backend's start). On this
-    AMX machine: 2.3 vs 9.3 ms; the decode-sized dots of 2+ rows gain too ([8, 4096] x [4096, 4096]: 2.1 vs 7.4 ms),
-    while a 1-row bf16 dot misses YNNPACK (18.9 ms), so the runtime pads a batch of one
-    (`serving.runtime.runner._smallest_bucket`)."""
+    float32 on this machine (best of 3 each, once per process: a fraction of a second). On an AMX machine bf16 wins
+    by far, and the decode-sized dots of 2+ rows gain too, while a 1-row bf16 dot misses YNNPACK and runs slower
+    than either, so the runtime pads a batch of one (`serving.runtime.compiler._smallest_bucket`; the figures:
+    docs/design/measurements.md)."""
     def best_seconds(dtype) -> float:
         x, w = jnp.ones((256, 2048), dtype), jnp.ones((2048, 2048), dtype)
         dot = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32))
@@ -315,19 +328,21 @@ def cpu_prefers_bfloat16() -> bool:
 
 
 def random_model(config: ModelConfig | str, seed: int = 0, dtype: str | jnp.dtype = "float32",
-                 engram_fp8: bool = False, *, weights: str | None = None, engram_cpu_offload: bool = False) -> Model:
+                 engram_fp8: bool = False, *, weights: str | None = None, engram_cpu_offload: bool = False,
+                 kernels: KernelConfig = KernelConfig()) -> Model:
     """A model with deterministic random weights (host-drawn), e.g. `random_model("tiny")`.
 
     weights: "float" (every weight in `dtype`, the test presets) or "release" (FP8 linears, MXFP4 experts and FP8
     Engram tables drawn as bytes, `init.random_release_params`: how a full-width preset fits a GPU); default:
     "release" for configs that carry a quantization_config (the full-size presets), else "float".
-    engram_cpu_offload (release weights): the random Engram tables live in host memory."""
+    engram_cpu_offload (release weights): the random Engram tables live in host memory. kernels: the fused ops'
+    kernels (`Model.kernels`)."""
     c = load_config(config) if isinstance(config, str) else config
     dt = DTYPES[dtype] if isinstance(dtype, str) else dtype
     weights = weights or ("release" if c.quantization else "float")
     if weights == "float":
         _, abstract = abstract_params(c, dt, engram_fp8)
-        return Model(c, random_params(c, abstract, seed), dtype=dt)
+        return Model(c, random_params(c, abstract, seed), dtype=dt, kernels=kernels)
     if weights != "release":
         raise ValueError(f"weights must be 'float' or 'release', got {weights!r}")
     _, dense = abstract_params(c, dt, True)
@@ -340,4 +355,4 @@ def random_model(config: ModelConfig | str, seed: int = 0, dtype: str | jnp.dtyp
                                  for lid in c.engram_layer_ids],
                                 [params.pop(("layers", lid, "engram", "embed", "scale")) for lid in c.engram_layer_ids])
     token_map = np.arange(c.vocab_size) % max(c.engram_compressed_vocab_size, 1) if c.engram_layer_ids else None
-    return Model(c, params, dtype=dt, token_map=token_map, engram_tables=host)
+    return Model(c, params, dtype=dt, token_map=token_map, engram_tables=host, kernels=kernels)

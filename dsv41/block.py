@@ -8,7 +8,8 @@ The attention itself is a callback so the backbone (CED sharing) and DSpark (con
 
 Where V4.1 merges a sublayer output, collapses with the delayed pre-mix and normalises the next sublayer's
 input (before the FFN; before the next block's attention unless Engram sits in between), the three run as
-one `pallas_kernels.mhc_post_pre` call under the block's static `kernel_impl` (see `set_kernel_impl`);
+one `pallas_kernels.mhc_post_pre` call under the implementation of the block's static `kernels` (see
+`dsv41.layers.basic.with_kernels`);
 "reference" is op for op the unfused code.
 """
 
@@ -26,6 +27,7 @@ from dsv41.layers.basic import RMSNorm
 from dsv41.layers.engram import Engram, EngramRows
 from dsv41.layers.mhc import HcMix, HyperConnection, hc_collapse, hc_post
 from dsv41.layers.moe import MoE
+from pallas_kernels.kernel_config import KernelConfig
 from pallas_kernels.mhc import mhc_post_pre
 
 
@@ -35,8 +37,8 @@ class Block(nnx.Module):
         D, n = c.hidden_size, c.hc_mult
         self.role = role
         # Fused ops of the block: mHC post + collapse + norm, and in the serving runtime the sparse attention
-        # and the indexer's top-k (static; see `set_kernel_impl`).
-        self.kernel_impl = "auto"
+        # and the indexer's top-k (static; given by `dsv41.layers.basic.with_kernels`).
+        self.kernels = KernelConfig()
         self.attn_norm = RMSNorm(D, c.rms_norm_eps, dtype=dtype)
         self.ffn_norm = RMSNorm(D, c.rms_norm_eps, dtype=dtype)
         self.attn = Attention(c, role, dtype=dtype)
@@ -48,6 +50,11 @@ class Block(nnx.Module):
         self.engram = (Engram(rows=engram_rows, n_cols=c.engram_hash_cols, head_dim=c.engram_head_dim, hc_mult=n,
                               dim=D, eps=c.rms_norm_eps, table_fp8=engram_fp8, dtype=dtype)
                        if role.engram_index is not None else None)
+
+    @property
+    def kernel_impl(self) -> str:
+        """The implementation of the block's fused ops (`kernels.impl`)."""
+        return self.kernels.impl
 
 
 AttentionFn = Callable[[Block, jax.Array], jax.Array]  # (block, normed input [T, D]) -> output [T, D]

@@ -32,7 +32,8 @@ def save_converted(folder: str | Path, config: ModelConfig, params: dict[tuple, 
     tree = {_key(p): v for p, v in params.items()}
     if token_map is not None:
         tree[_TOKEN_MAP] = np.asarray(token_map, np.int32)
-    import orbax.checkpoint as ocp  # here: the import costs ~0.3 s of every server start that reads no such folder
+    # here: a slow import (docs/design/measurements.md), which a server start that reads no such folder skips
+    import orbax.checkpoint as ocp
 
     ckpt = ocp.StandardCheckpointer()
     ckpt.save(folder / "params", tree, force=True)

@@ -18,7 +18,7 @@ from flax import nnx
 
 from dsv41.block import Block, run_blocks
 from dsv41.config import ModelConfig, dspark_role
-from dsv41.layers.attention import sparse_attention
+from dsv41.layers.attention import draft_block_attention
 from dsv41.layers.basic import Embed, Linear, RMSNorm
 from dsv41.layers.mhc import hc_collapse
 from dsv41.layers.rope import inv_freq, rope_angles
@@ -73,21 +73,17 @@ def draft_hidden(dspark: DSpark, embed: Embed, block_ids_B: jax.Array, anchor_po
     positions = anchor_position + jnp.arange(B)
     cos, sin = rope_angles(positions, inv_freq(c, "main"))
     ctx_visible = (context_positions_C < anchor_position) & (context_positions_C >= anchor_position - c.sliding_window)
-    mask = jnp.concatenate([jnp.broadcast_to(ctx_visible[None, :], (B, ctx_visible.shape[0])),
-                            jnp.ones((B, B), jnp.bool_)], axis=1)
     stage = {blk.role.layer_id: i for i, blk in enumerate(dspark.blocks)}
 
-    def attend(block: Block, x: jax.Array) -> jax.Array:
-        attn = block.attn
-        _, q = attn.project_q(x, cos, sin)
-        kv = attn.project_kv(x, cos, sin, fake_quant)
-        keys = jnp.concatenate([context_kv[stage[block.role.layer_id]].astype(kv.dtype), kv], axis=0)
-        o = sparse_attention(q, keys, mask, attn.attn_sink[...])
-        return attn.output(o, cos, sin, x.dtype)
+    def attention(block: Block, x: jax.Array) -> jax.Array:
+        context = context_kv[stage[block.role.layer_id]]
+        sink = block.attn.attn_sink[...]
+        return block.attn.attend(x, cos, sin, lambda _, q, kv: draft_block_attention(q, kv, context, ctx_visible, sink),
+                                 fake_quant=fake_quant)
 
     e = embed(block_ids_B)
     R = jnp.broadcast_to(e[:, None, :], (B, c.hc_mult, e.shape[1]))
-    R, pre, _ = run_blocks(dspark.blocks, c, R, block_ids_B, attend)
+    R, pre, _ = run_blocks(dspark.blocks, c, R, block_ids_B, attention)
     return hc_collapse(R, pre)
 
 

@@ -2,27 +2,28 @@
 
 `Transformer` is the NNX module tree; attribute paths mirror the release tensor names (`layers.3.attn.
 wq_a.weight`; `layers.3.hc_attn.fn` <- `hc_attn_fn`). `forward` runs one sequence from position 0 through
-every layer on every row. CED sharing (spec §3.1) is the `_Published` record threaded through the
-layers: each KV source's global rows and index keys, each index source's top-k, the candidate blocks.
+every layer on every row. CED sharing (spec §3.1) is the `Published` record threaded through the
+layers (`backbone_attention`, also the trainer's): each KV source's global rows and index keys, each index
+source's top-k, the candidate blocks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv41.block import Block, run_blocks
-from dsv41.config import ModelConfig
+from dsv41.block import AttentionFn, Block, run_blocks
+from dsv41.config import LayerRole, ModelConfig
 from dsv41.dspark import DSpark
-from dsv41.layers.attention import sparse_attention
+from dsv41.layers.attention import masked_attention, publish_kv_source
 from dsv41.layers.basic import Embed, Linear, RMSNorm
 from dsv41.layers.indexer import causal_row_mask, select_candidate_blocks, select_topk, topk_row_mask
 from dsv41.layers.mhc import HcHead, hc_collapse
-from dsv41.layers.rope import apply_rope, inv_freq, rope_angles
-from dsv41.quant import fake_quant_nvfp4
+from dsv41.layers.rope import inv_freq, rope_angles
 
 
 class Transformer(nnx.Module):
@@ -42,7 +43,7 @@ class Transformer(nnx.Module):
 
 
 @dataclass
-class _Published:
+class Published:
     """What a layer computes once and later layers read (CED sharing), keyed by the producing layer."""
 
     rows: dict[int, jax.Array] = field(default_factory=dict)  # KV source -> global KV rows [N, d]
@@ -51,29 +52,61 @@ class _Published:
     candidates: jax.Array | None = None  # [T, N] bool rows inside the candidate source's blocks
 
 
+# (role, RoPE'd q [T, H, d], SWA rows kv [T, d], sink [H], global rows [N, d] or None, their selected ids [T, k]
+# (-1 = none; None: every visible row, V4's HCA)) -> float32 attention output [T, H, d]
+OverKeys = Callable[[LayerRole, jax.Array, jax.Array, jax.Array, jax.Array | None, jax.Array | None], jax.Array]
+# (indexer scores [T, N], q [T, H, d], global rows [N, d], visible [T, N] bool) at each index source
+OnScores = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], None]
+
+
 def window_mask(positions_T: jax.Array, window: int) -> jax.Array:
     """[T, T] bool: the query at p sees the SWA rows of positions max(p - window + 1, 0) .. p."""
     d = positions_T[:, None] - positions_T[None, :]
     return (d >= 0) & (d < window)
 
 
-def _publish_kv_source(block: Block, x: jax.Array, pub: _Published, c: ModelConfig, fake_quant: bool,
-                       frozen: dict | None) -> None:
-    """Compressor latent -> global rows RoPE'd at each group's first position (+ NVFP4 record) and, from
-    the same pre-RoPE latent (V4: from x through the indexer's own compressor), the index keys.
-    `frozen[layer] = (rows, keys)` replaces the first rows (a prefix cache hit's rows, never rewritten)."""
+def backbone_attention(c: ModelConfig, positions_T: jax.Array, pub: Published, over_keys: OverKeys, *,
+                       fake_quant: bool = False, frozen: dict | None = None, on_scores: OnScores | None = None
+                       ) -> AttentionFn:
+    """The backbone's attention callback (block, normed x [T, D]) -> [T, D] over one sequence from position 0,
+    with CED sharing through `pub`: each KV source publishes its global rows and index keys, each index source its
+    top-k (and the candidate source its blocks); `over_keys` attends over the layer's SWA rows and selected rows
+    (`masked_keys` here, the trainer's banded form). `frozen[layer] = (rows, keys)` replaces a KV source's first
+    rows (a prefix cache hit's, never rewritten); `on_scores` sees each index source's scores (the trainer's
+    indexer loss)."""
+    angles = {kind: rope_angles(positions_T, inv_freq(c, kind)) for kind in ("main", "compress")
+              if kind == "main" or c.rope_scaling is not None}
+
+    def attention(block: Block, x: jax.Array) -> jax.Array:
+        attn, role = block.attn, block.role
+        cos, sin = angles[role.rope]
+
+        def over(qr: jax.Array, q: jax.Array, kv: jax.Array) -> jax.Array:
+            rows = ids = None
+            if role.attn_kind != "swa":
+                if role.is_kv_source:
+                    _publish(block, x, pub, c, fake_quant, frozen)
+                if pub.rows[role.kv_source].shape[0]:
+                    rows = pub.rows[role.kv_source]
+                    if role.is_index_source:
+                        _select(block, x, qr, q, positions_T, cos, sin, pub, c, fake_quant, on_scores)
+                    ids = None if role.attn_kind == "hca" else pub.topk[role.index_source]
+            return over_keys(role, q, kv, attn.attn_sink[...], rows, ids)
+
+        return attn.attend(x, cos, sin, over, fake_quant=fake_quant)
+
+    return attention
+
+
+def _publish(block: Block, x: jax.Array, pub: Published, c: ModelConfig, fake_quant: bool, frozen: dict | None
+             ) -> None:
+    """KV source `block`: its global rows and index keys (V4: from its indexer's own compressor) into `pub`."""
     attn, role = block.attn, block.role
-    assert attn.compressor is not None
-    latent = attn.compressor(x)
-    cos, sin = rope_angles(jnp.arange(latent.shape[0]) * role.compress_ratio, inv_freq(c, "compress"))
-    rows = apply_rope(latent, cos, sin)
-    rows = fake_quant_nvfp4(rows) if fake_quant else rows
-    keys = None
     ix = attn.indexer
-    if ix is not None and ix.wk is not None:
-        keys = ix.keys(latent, cos, sin, fake_quant)
-    elif ix is not None and ix.compressor is not None:
-        keys = ix.keys(x, cos, sin, fake_quant)
+    pooled = attn.compressor.pooled(x)
+    index_pooled = ix.compressor.pooled(x) if ix is not None and ix.compressor is not None else None
+    rows, keys = publish_kv_source(attn, c, pooled, jnp.arange(pooled.shape[0]), x.dtype, fake_quant,
+                                   index_pooled_Nc=index_pooled)
     if frozen and role.layer_id in frozen:
         f_rows, f_keys = frozen[role.layer_id]
         rows = rows.at[: f_rows.shape[0]].set(f_rows.astype(rows.dtype))
@@ -84,57 +117,48 @@ def _publish_kv_source(block: Block, x: jax.Array, pub: _Published, c: ModelConf
         pub.index_keys[role.layer_id] = keys
 
 
-def _selected_rows(block: Block, x: jax.Array, qr: jax.Array, positions: jax.Array, angles, pub: _Published,
-                   c: ModelConfig, fake_quant: bool) -> jax.Array:
-    """[T, N] bool: the global rows each query attends to (all visible rows for V4's HCA layers)."""
+def _select(block: Block, x: jax.Array, qr: jax.Array, q: jax.Array, positions: jax.Array, cos: jax.Array,
+            sin: jax.Array, pub: Published, c: ModelConfig, fake_quant: bool, on_scores: OnScores | None) -> None:
+    """Index source `block`: its top-k rows [T, k] (and at the candidate source the candidate blocks) into `pub`.
+    The choice is an integer one: its inputs are constants to every gradient but `on_scores`'s."""
     role, r = block.role, block.role.compress_ratio
-    n_rows = pub.rows[role.kv_source].shape[0]
-    visible = causal_row_mask(positions, n_rows, r)
-    if role.attn_kind == "hca":
-        return visible
-    if role.is_index_source:
-        ix = block.attn.indexer
-        cos, sin = angles[role.rope]
-        s = ix.scores(x, qr, pub.index_keys[role.kv_source], cos, sin, fake_quant)
-        s = jnp.where(visible, s, -jnp.inf)
-        if role.is_candidate_source:
-            pub.candidates = select_candidate_blocks(s, (positions + 1) // r, c.candidate_topk_blocks,
-                                                     c.candidate_block_size)
-        elif role.uses_candidates:
-            s = jnp.where(pub.candidates, s, -jnp.inf)
-        pub.topk[role.layer_id] = select_topk(s, c.index_topk)
-    return topk_row_mask(pub.topk[role.index_source], n_rows) & visible
+    sg = jax.lax.stop_gradient
+    rows = pub.rows[role.kv_source]
+    visible = causal_row_mask(positions, rows.shape[0], r)
+    s = block.attn.indexer.scores(sg(x), sg(qr), pub.index_keys[role.kv_source], cos, sin, fake_quant)
+    if on_scores is not None:
+        on_scores(s, q, rows, visible)
+    s = jnp.where(visible, sg(s), -jnp.inf)
+    if role.is_candidate_source:
+        pub.candidates = select_candidate_blocks(s, (positions + 1) // r, c.candidate_topk_blocks,
+                                                 c.candidate_block_size)
+    elif role.uses_candidates:
+        s = jnp.where(pub.candidates, s, -jnp.inf)
+    pub.topk[role.layer_id] = select_topk(s, c.index_topk)
 
 
-def _backbone_attention(c: ModelConfig, positions: jax.Array, pub: _Published, fake_quant: bool,
-                        swa_floor: jax.Array | None = None, decoder_floor: jax.Array | None = None,
-                        frozen: dict | None = None):
-    angles = {kind: rope_angles(positions, inv_freq(c, kind)) for kind in ("main", "compress")
-              if kind == "main" or c.rope_scaling is not None}
-    swa = window_mask(positions, c.sliding_window)
+def masked_keys(c: ModelConfig, positions_T: jax.Array, swa_floor: jax.Array | None = None,
+                decoder_floor: jax.Array | None = None) -> OverKeys:
+    """The exact attention over a layer's keys as [T, T] and [T, N] masks (`masked_attention`). `swa_floor` [T]
+    clips every layer's SWA window from below (encoder replay), `decoder_floor` [T] the layers' after the CED
+    cut (decoder replay)."""
+    swa = window_mask(positions_T, c.sliding_window)
     if swa_floor is not None:  # encoder replay: no SWA row below the query's floor, in every layer
-        swa = swa & (positions[None, :] >= swa_floor[:, None])
+        swa = swa & (positions_T[None, :] >= swa_floor[:, None])
     swa_after_cut = swa
     if decoder_floor is not None:  # decoder replay: layers after the cut see only kept rows
-        swa_after_cut = swa & (positions[None, :] >= decoder_floor[:, None])
+        swa_after_cut = swa & (positions_T[None, :] >= decoder_floor[:, None])
 
-    def attend(block: Block, x: jax.Array) -> jax.Array:
-        attn, role = block.attn, block.role
-        cos, sin = angles[role.rope]
-        qr, q = attn.project_q(x, cos, sin)
-        kv = attn.project_kv(x, cos, sin, fake_quant)
-        rows = rows_mask = None
-        if role.attn_kind != "swa":
-            if role.is_kv_source:
-                _publish_kv_source(block, x, pub, c, fake_quant, frozen)
-            if pub.rows[role.kv_source].shape[0]:
-                rows = pub.rows[role.kv_source]
-                rows_mask = _selected_rows(block, x, qr, positions, angles, pub, c, fake_quant)
+    def over_keys(role: LayerRole, q, kv, sink, rows, ids):
+        rows_mask = None
+        if rows is not None:
+            rows_mask = causal_row_mask(positions_T, rows.shape[0], role.compress_ratio)
+            if ids is not None:
+                rows_mask = topk_row_mask(ids, rows.shape[0]) & rows_mask
         after_cut = c.cut_layer is not None and role.layer_id > c.cut_layer
-        o = sparse_attention(q, kv, swa_after_cut if after_cut else swa, attn.attn_sink[...], rows, rows_mask)
-        return attn.output(o, cos, sin, x.dtype)
+        return masked_attention(q, kv, swa_after_cut if after_cut else swa, sink, rows, rows_mask)
 
-    return attend
+    return over_keys
 
 
 def _embed_streams(model: Transformer, ids_T: jax.Array) -> jax.Array:
@@ -153,9 +177,10 @@ def forward_hidden(model: Transformer, ids_T: jax.Array, engram_hashes: jax.Arra
     replay), `frozen` {KV source: (rows, index keys)} pins the rows a prefix-cache hit holds.
     """
     c = model.config
-    attend = _backbone_attention(c, jnp.arange(ids_T.shape[0]), _Published(), fake_quant, swa_floor,
-                                 decoder_floor, frozen)
-    R, pre, captured = run_blocks(model.layers, c, _embed_streams(model, ids_T), ids_T, attend,
+    positions = jnp.arange(ids_T.shape[0])
+    attention = backbone_attention(c, positions, Published(), masked_keys(c, positions, swa_floor, decoder_floor),
+                                   fake_quant=fake_quant, frozen=frozen)
+    R, pre, captured = run_blocks(model.layers, c, _embed_streams(model, ids_T), ids_T, attention,
                                   engram_hashes=engram_hashes, capture=capture)
     h = model.hc_head(R) if model.hc_head is not None else hc_collapse(R, pre)
     return model.norm(h), captured
@@ -173,8 +198,10 @@ def published_rows(model: Transformer, ids_T: jax.Array, engram_hashes: jax.Arra
     """{KV source: (global rows, index keys or None)} of a cold full-sequence pass (what a prefix cache holds):
     only the layers up to the last KV source run."""
     c = model.config
-    pub = _Published()
+    pub = Published()
     last = max(r.layer_id for r in c.roles if r.is_kv_source)
+    positions = jnp.arange(ids_T.shape[0])
     run_blocks(model.layers[: last + 1], c, _embed_streams(model, ids_T), ids_T,
-               _backbone_attention(c, jnp.arange(ids_T.shape[0]), pub, fake_quant), engram_hashes=engram_hashes)
+               backbone_attention(c, positions, pub, masked_keys(c, positions), fake_quant=fake_quant),
+               engram_hashes=engram_hashes)
     return {s: (pub.rows[s], pub.index_keys.get(s)) for s in pub.rows}

@@ -1,4 +1,5 @@
-"""Small kernel-safe pieces shared by the fused ops: full-width partial RoPE and the FP8 output cast.
+"""Small kernel-safe pieces shared by the fused ops (and the model, `dsv41.layers.attention`): full-width partial
+RoPE, the FP8 output cast and the attention's sink softmax.
 
 Pallas Triton values must have power-of-two sizes, so the partial RoPE (trailing d_r of d channels,
 adjacent pairs) is applied to the whole d-wide row with cos = 1, sin = 0 on the unrotated channels.
@@ -73,3 +74,12 @@ def fp8_block_cast(x: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
     s = pow2_ceil(jnp.maximum(jnp.max(jnp.abs(z), axis=-1), 1e-4) * (1.0 / E4M3_MAX))
     q = jnp.clip(z / s[..., None], -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
     return q.reshape(x.shape), s
+
+
+def sink_softmax(logits: list[jax.Array], sink_H: jax.Array) -> tuple[list[jax.Array], jax.Array]:
+    """Unnormalised probabilities of several key blocks [.., H, K_i] sharing one softmax whose denominator
+    also holds exp(sink_h) (the sink adds no value), and that denominator [.., H, 1]."""
+    sink = jnp.broadcast_to(sink_H.astype(jnp.float32)[:, None], (*logits[0].shape[:-1], 1))
+    m = jnp.max(jnp.concatenate([*logits, sink], axis=-1), axis=-1, keepdims=True)
+    probs = [jnp.exp(s - m) for s in logits]
+    return probs, jnp.exp(sink - m) + sum(jnp.sum(p, axis=-1, keepdims=True) for p in probs)

@@ -15,7 +15,6 @@ float8 type and the e2m1 table, independently, to check it against.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -106,10 +105,3 @@ def reference_dequantize(w) -> jax.Array:
     b0, b1 = w.block
     s = jnp.ldexp(jnp.float32(1.0), w.scales.astype(jnp.int32) - 127)
     return v * jnp.repeat(jnp.repeat(s, b0, axis=1), b1, axis=2)
-
-
-def weight_bytes(w) -> int:
-    """Bytes one expert's weight occupies (values + scales, or the float array)."""
-    if not isinstance(w, QuantizedExperts):
-        return math.prod(w.shape[1:]) * jnp.dtype(w.dtype).itemsize
-    return math.prod(w.values.shape[1:]) + math.prod(w.scales.shape[1:])

@@ -29,8 +29,8 @@ from pallas_kernels.dispatch import interpret_default, resolve_impl
 from pallas_kernels.expert_weights import decode_tile
 
 MIN_DOT = 16  # Triton's smallest dot dimension
-# auto runs the kernel for at most this many rows: on an H200 (2026-12-04, wq_b [32768, 1280]) it was no faster than
-# XLA's decode + cuBLAS dot at 1 row (100 vs 101 us, both dispatch-bound) and 4.3x slower at 8,192 (5.6 vs 1.3 ms)
+# auto runs the kernel for at most this many rows: on an H200 it was no faster than XLA's decode + cuBLAS dot at 1 row
+# (both dispatch-bound) and several times slower at 8,192 rows (docs/design/measurements.md)
 AUTO_MAX_ROWS = 64
 
 

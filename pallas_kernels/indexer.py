@@ -13,10 +13,11 @@ Dense mode scans the cache blocks up to `meta.n_blocks` (a dynamic value, e.g. t
 longest context), so one compiled function serves every context length.
 
 Kernel: one program per (query, chunk of rows) gathers the chunk's keys through the block table (MXFP4
-records decoded in registers), does the [heads, c] x [c, rows] GEMM, the ReLU and the head-weighted sum,
-and writes the chunk's scores (programs past the scan only write -inf); the selection is XLA's TopK over
-those scores (no in-kernel top-k yet). XLA path (CPU): per query tile, a loop over the scanned blocks with
-a running top-k merge (dense), or each query's candidate rows gathered and scored (candidates).
+records decoded in registers; `pallas_kernels.paged`, sparse MLA's gather too), does the [heads, c] x
+[c, rows] GEMM, the ReLU and the head-weighted sum, and writes the chunk's scores (programs past the scan
+only write -inf); the selection is XLA's TopK over those scores (no in-kernel top-k yet). XLA path (CPU): per
+query tile, a loop over the scanned blocks with a running top-k merge (dense), or each query's candidate rows
+gathered and scored (candidates).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels import records
+from pallas_kernels import paged, records
 from pallas_kernels.common import product_dtype, product_precision
 from pallas_kernels.dispatch import interpret_default, resolve_impl
 from pallas_kernels.tiles import QueryTiles, map_tiles, plan_or_rows, tile_rows, to_flat_rows
@@ -84,12 +85,6 @@ def _row_ids(meta, cand, cand_block, rpb):
     return jnp.where(ok, rid, 0), ok
 
 
-def _gather_keys(keys, meta, rid, c, decode_fn):
-    rpb, M = keys.shape[1], meta.block_table_RM.shape[1]
-    blk = meta.block_table_RM[meta.req_T[:, None], jnp.minimum(rid // rpb, M - 1)]
-    return decode_fn("mxfp4", keys[blk, rid % rpb], c)
-
-
 def _cand_blocks(scores_TN, n_visible_T, cand_block, n_blocks, select):
     T, N = scores_TN.shape
     nb = N // cand_block
@@ -127,7 +122,8 @@ def reference(q_Thc, w_Th, keys_NPx, meta: IndexMeta, *, k: int, candidates_TK=N
     _check(q_Thc, w_Th, keys_NPx, meta, candidates_TK, k)
     hi = jax.lax.Precision.HIGHEST
     rid, ok = _row_ids(meta, candidates_TK, cand_block, keys_NPx.shape[1])
-    kk = _gather_keys(keys_NPx, meta, rid, q_Thc.shape[2], records.reference_decode)
+    kk = paged.gather_rows(keys_NPx, "mxfp4", q_Thc.shape[2], meta.block_table_RM, meta.req_T[:, None], rid,
+                           records.reference_decode)
     s = jnp.einsum("th,thn->tn", w_Th.astype(jnp.float32),
                    jax.nn.relu(jnp.einsum("thc,tnc->thn", q_Thc.astype(jnp.float32), kk, precision=hi)), precision=hi)
     s = jnp.where(ok, s, -jnp.inf)
@@ -171,7 +167,7 @@ def _dense_xla(q, w, keys, meta, tiles, k, cand_block, n_cand_blocks):
 
         def body(b, carry):
             vals, ids, *cand = carry
-            kb = records.decode_rows("mxfp4", keys[meta.block_table_RM[r, b]], q.shape[2])  # [rpb, c]
+            kb = paged.decode_blocks(keys, "mxfp4", q.shape[2], meta.block_table_RM[r, b])  # [rpb, c]
             rid = b * rpb + jnp.arange(rpb)
             sc = jnp.where(rid[None] < visible[:, None], _scores(qq, ww, kb), -jnp.inf)
             vals, ids = _merge_topk(vals, ids, sc, rid, k)
@@ -195,7 +191,6 @@ def _candidates_xla(q, w, keys, meta, tiles, k, cand, cand_block):
     """Per query tile: each query scores the rows of its own candidate blocks (ascending block ids, so
     top-k ties keep the lowest row id)."""
     T = q.shape[0]
-    rpb, M = keys.shape[1], meta.block_table_RM.shape[1]
 
     def one_tile(i):
         rows, _ = tile_rows(tiles, i, T)
@@ -205,8 +200,7 @@ def _candidates_xla(q, w, keys, meta, tiles, k, cand, cand_block):
         ok = (cb[..., None] != BIG).repeat(cand_block, -1).reshape(rid.shape)
         ok &= rid < meta.n_visible_T[rows][:, None]
         rid = jnp.where(ok, rid, 0)
-        blk = meta.block_table_RM[r][jnp.clip(rid // rpb, 0, M - 1)]
-        kk = records.decode_rows("mxfp4", keys[blk, rid % rpb], q.shape[2])  # [size, K * cbs, c]
+        kk = paged.gather_rows(keys, "mxfp4", q.shape[2], meta.block_table_RM, r, rid)  # [size, K * cbs, c]
         sc = jnp.where(ok, _scores(q[rows], w[rows], kk), -jnp.inf)
         top, at = jax.lax.top_k(sc, min(k, sc.shape[1]))
         return _pad_ids(jnp.where(top == -jnp.inf, -1, jnp.take_along_axis(rid, at, axis=-1)), k)
@@ -235,16 +229,8 @@ def _scores_kernel(q_ref, w_ref, req_ref, bt_ref, bound_ref, rid_ref, ok_ref, ke
 
     @pl.when(j * block_n < bound_ref[0])
     def _():
-        r = req_ref[t]
         rid, ok = rid_ref[...], ok_ref[...]
-        rpb = keys_ref.shape[1]
-        blk = bt_ref[r, jnp.minimum(rid // rpb, bt_ref.shape[1] - 1)]
-        at = rid % rpb
-        if keys_ref.dtype == jnp.uint8:
-            nb = c // records.block_size("mxfp4", c)
-            kk = records.decode("mxfp4", keys_ref[blk, at, pl.ds(0, c // 2)], keys_ref[blk, at, pl.ds(c // 2, nb)])
-        else:
-            kk = keys_ref[blk, at, :].astype(jnp.float32)
+        kk = paged.load_rows(keys_ref, "mxfp4", c, bt_ref, req_ref[t], rid)
         cdt = product_dtype(q_ref.dtype)
         prec = product_precision(cdt)
         s = jax.lax.dot_general(q_ref[...].astype(cdt), kk.astype(cdt), (((1,), (1,)), ((), ())), precision=prec,

@@ -32,7 +32,7 @@ def _check(R, y, post, comb, pre, w):
 def stream_mix(R_TnD, y_TD, post_Tn, comb_Tnn) -> jax.Array:
     """R'_j = post_j * y + sum_i comb[i, j] R_i, float32 terms added in that order (the kernel's), stored in R's
     dtype. Written as n multiply-adds that XLA fuses into one pass: the batched product 'tij,tid->tjd' (n x n per
-    token) ran ~3x slower on XLA:CPU (T 512, n 4, D 512: 1.8-2.0 vs 0.6 ms)."""
+    token) ran several times slower on XLA:CPU (docs/design/measurements.md)."""
     Rf = R_TnD.astype(jnp.float32)
     mixed = post_Tn.astype(jnp.float32)[..., None] * y_TD.astype(jnp.float32)[:, None, :]
     for i in range(R_TnD.shape[1]):
@@ -53,7 +53,7 @@ def reference(R_TnD, y_TD, post_Tn, comb_Tnn, pre_Tn, norm_w_D, *, eps: float):
 
 def xla(R_TnD, y_TD, post_Tn, comb_Tnn, pre_Tn, norm_w_D, *, eps: float):
     """CPU path: the reference itself. Its multiply-adds and sums over n fuse into a few passes over the streams;
-    the per-token n x n products as einsums (this path before) ran ~3x slower on XLA:CPU."""
+    the per-token n x n products as einsums (this path before) ran several times slower on XLA:CPU (`stream_mix`)."""
     return reference(R_TnD, y_TD, post_Tn, comb_Tnn, pre_Tn, norm_w_D, eps=eps)
 
 

@@ -7,7 +7,7 @@ Records: values first, then one scale byte per block.
 A row shorter than the block (tiny test models) is one block.
 
 `decode_*` build float32 values from the bits with integer ops, shifts, a same-width bitcast, stack-of-2 and
-reshape: every one has a Pallas Triton lowering, so kernels call them on loaded tiles. `reference_decode`
+reshape: every one has a Pallas Triton lowering, so kernels call them on loaded tiles (`load`). `reference_decode`
 goes through XLA's float8 type and a lookup table, written straight from the spec, to check them against.
 UE8M0 byte 0 (2**-127, a float32 denormal) decodes to 0 in the kernel form; the encoders never emit it for
 values above 1e-30.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 KINDS = ("fp8", "nvfp4", "mxfp4")
 BLOCK = {"fp8": 32, "nvfp4": 16, "mxfp4": 32}
@@ -89,6 +90,15 @@ def decode(kind: str, values_u8: jax.Array, scales_u8: jax.Array) -> jax.Array:
         v = e2m1_to_f32(unpack_nibbles(values_u8))
     s = e4m3_to_f32(scales_u8) if kind == "nvfp4" else ue8m0_to_f32(scales_u8)
     return v * expand_blocks(s, v.shape[-1] // scales_u8.shape[-1])
+
+
+def load(kind: str, ref, index: tuple, d: int) -> jax.Array:
+    """Float32 rows [..., d] at ref[index] inside a Pallas kernel: a uint8 record's value and scale bytes are loaded
+    apart (Triton loads power-of-two widths, and a record is not one); float rows are cast."""
+    if ref.dtype != jnp.uint8:
+        return ref[(*index, slice(None))].astype(jnp.float32)
+    nv = value_bytes(kind, d)
+    return decode(kind, ref[(*index, pl.ds(0, nv))], ref[(*index, pl.ds(nv, d // block_size(kind, d)))])
 
 
 def decode_rows(kind: str, raw: jax.Array, d: int) -> jax.Array:

@@ -1,6 +1,7 @@
 """Sparse MLA attention of V4.1 (spec §2.5) fused: query RoPE, attention over each query's SWA window and
-its top-k global rows (gathered by index from the paged cache, records decoded in the kernel, -1 skipped),
-the per-head sink, inverse RoPE on the output and an optional FP8 cast for the grouped output projection.
+its top-k global rows (gathered by index from the paged cache, `pallas_kernels.paged`, records decoded in
+the kernel, -1 skipped), the per-head sink, inverse RoPE on the output and an optional FP8 cast for the
+grouped output projection.
 
 All heads share one K=V latent per row, so a program holds a block of heads as the M side of two small
 GEMMs (scores q k^T, output p v) and reads every key row once for those heads.
@@ -34,9 +35,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels import records
+from pallas_kernels import paged, records
 from pallas_kernels.common import (FP8_OUT_BLOCK, fp8_block_cast, full_width_angles, product_dtype,
-                                   product_precision, rotate, rotate_tail)
+                                   product_precision, rotate, rotate_tail, sink_softmax)
 from pallas_kernels.dispatch import interpret_default, resolve_impl
 from pallas_kernels.tiles import QueryTiles, map_tiles, plan_or_rows, tile_rows, to_flat_rows
 
@@ -117,13 +118,6 @@ def _swa_keys(kv, ring, meta, d, decode_fn):
     return keys, kp >= jnp.maximum(meta.floor_R[r], 0)[:, None]
 
 
-def _global_keys(rows, topk, meta, d, decode_fn):
-    rpb, M = rows.shape[1], meta.block_table_RM.shape[1]
-    j = jnp.maximum(topk, 0)
-    blk = meta.block_table_RM[meta.req_T[:, None], jnp.minimum(j // rpb, M - 1)]
-    return decode_fn("nvfp4", rows[blk, j % rpb], d), topk >= 0
-
-
 def reference(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_NPx=None, topk_TK=None, *,
               out_fp8: bool = False):
     """The spec, materialising every query's key set [T, W + K, d] and one softmax with a sink column."""
@@ -133,7 +127,9 @@ def reference(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, ro
     q = _rope_ref(q_THd.astype(jnp.float32), cos_Tr[:, None], sin_Tr[:, None])
     keys, ok = _swa_keys(kv_Td, ring_SWx, meta, d, records.reference_decode)
     if rows_NPx is not None:
-        g, gok = _global_keys(rows_NPx, topk_TK, meta, d, records.reference_decode)
+        g = paged.gather_rows(rows_NPx, "nvfp4", d, meta.block_table_RM, meta.req_T[:, None],
+                              jnp.maximum(topk_TK, 0), records.reference_decode)
+        gok = topk_TK >= 0
         keys, ok = jnp.concatenate([keys, g], axis=1), jnp.concatenate([ok, gok], axis=1)
     logits = jnp.einsum("thd,tkd->thk", q, keys, precision=hi) * d ** -0.5
     logits = jnp.where(ok[:, None], logits, -jnp.inf)
@@ -150,15 +146,6 @@ def _fp8_out(out_THd):
     T, H, d = out_THd.shape
     q8, s = fp8_block_cast(out_THd, min(FP8_OUT_BLOCK, d))
     return q8.reshape(T, H * d), s.reshape(T, -1)
-
-
-def _sink_softmax(logits: list[jax.Array], sink_H: jax.Array) -> tuple[list[jax.Array], jax.Array]:
-    """Unnormalised probabilities of key blocks [.., H, K_i] sharing one softmax whose denominator also holds
-    exp(sink_h), and that denominator [.., H, 1]."""
-    sink = jnp.broadcast_to(sink_H.astype(jnp.float32)[:, None], (*logits[0].shape[:-1], 1))
-    m = jnp.max(jnp.concatenate([*logits, sink], axis=-1), axis=-1, keepdims=True)
-    probs = [jnp.exp(s - m) for s in logits]
-    return probs, jnp.exp(sink - m) + sum(jnp.sum(p, axis=-1, keepdims=True) for p in probs)
 
 
 def xla(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_NPx=None, topk_TK=None, *,
@@ -195,8 +182,8 @@ def xla(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_NPx
     # Likewise a prefill's tiles each scan the same blocks of their request: each request's whole table is decoded
     # once up front where that is no more blocks than the tiles' first scan steps alone would decode (the scan
     # stops at `meta.n_blocks`, unknown here: a short prompt in a long table keeps the per-tile decode) and fits in
-    # SCAN_DECODED_BYTES. Peer checkpoint, release (NVFP4) rows, one 2,048-token prefill, 6 alternated pairs: median
-    # 0.67 vs 0.74 s (no change with bf16 rows, whose decode is a cast).
+    # SCAN_DECODED_BYTES: faster for NVFP4 rows, no change for bf16 rows, whose decode is a cast
+    # (docs/design/measurements.md).
     rows_RXd = None
     if topk_TK is not None and dense_rows:
         M, rpb = meta.block_table_RM.shape[1], rows_NPx.shape[1]
@@ -204,7 +191,7 @@ def xla(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_NPx
         steps_M = jnp.minimum(jnp.arange(-(-M // c) * c), M - 1)  # whole scan steps, clamped as the scan does
         if (R * steps_M.size <= tiles.count * c
                 and R * steps_M.size * rpb * d * jnp.dtype(cdt).itemsize <= SCAN_DECODED_BYTES):
-            rows_RXd = records.decode_rows("nvfp4", rows_NPx[meta.block_table_RM[:, steps_M]], d).astype(cdt)
+            rows_RXd = paged.decode_blocks(rows_NPx, "nvfp4", d, meta.block_table_RM[:, steps_M]).astype(cdt)
             rows_RXd = rows_RXd.reshape(R, -1, d)
 
     def one_tile(i):
@@ -233,12 +220,10 @@ def xla(q_THd, cos_Tr, sin_Tr, sink_H, kv_Td, ring_SWx, meta: AttnMeta, rows_NPx
             return finish(out, denom, qok, cos, sin)
         if topk_TK is not None:
             idx = topk_TK[rows]  # [size, k]
-            rpb, M = rows_NPx.shape[1], meta.block_table_RM.shape[1]
-            blk = meta.block_table_RM[r][jnp.clip(idx // rpb, 0, M - 1)]
-            g = records.decode_rows("nvfp4", rows_NPx[blk, idx % rpb], d)  # [size, k, d]
+            g = paged.gather_rows(rows_NPx, "nvfp4", d, meta.block_table_RM, r, idx)  # [size, k, d]
             logits.append(jnp.where((idx >= 0)[:, None], mm("uhd,ukd->uhk", q, g), -jnp.inf))
             values.append(g)
-        probs, denom = _sink_softmax(logits, sink_H)
+        probs, denom = sink_softmax(logits, sink_H)
         out = mm("uhk,kd->uhd", probs[0], values[0])
         if len(probs) > 1:
             out = out + mm("uhk,ukd->uhd", probs[1], values[1])
@@ -291,7 +276,7 @@ def _blocks_softmax(mm, q_uhd, swa_logits_uhk, swa_keys_kd, sink_H, rows_NPx, id
     def step(b, state):
         m, l, acc = state
         j = b * c + jnp.arange(c)
-        g = (records.decode_rows("nvfp4", rows_NPx[table_M[jnp.minimum(j, M - 1)]], d).reshape(c * rpb, d)
+        g = (paged.decode_blocks(rows_NPx, "nvfp4", d, table_M[jnp.minimum(j, M - 1)]).reshape(c * rpb, d)
              if decoded_Xd is None else jax.lax.dynamic_slice_in_dim(decoded_Xd, b * c * rpb, c * rpb))
         ok = jax.lax.dynamic_slice_in_dim(selected, b * c * rpb, c * rpb, axis=1) & jnp.repeat(j < n_blocks, rpb)
         s = jnp.where(ok[:, None], mm("uhd,kd->uhk", q_uhd, g), -jnp.inf)
@@ -339,26 +324,13 @@ def _attention_kernel(pos_ref, req_ref, kvrow_ref, slot_ref, start_ref, floor_re
         o = c * block_k + jnp.arange(block_k)
         kp = p - o
         chunk = kv_ref[jnp.maximum(own - o, 0), :].astype(jnp.float32)
-        at = kp & (W - 1)
-        if ring_ref.dtype == jnp.uint8:
-            nb = d // records.block_size("fp8", d)
-            ring = records.decode("fp8", ring_ref[slot, at, pl.ds(0, d)], ring_ref[slot, at, pl.ds(d, nb)])
-        else:
-            ring = ring_ref[slot, at, :].astype(jnp.float32)
+        ring = records.load("fp8", ring_ref, (slot, kp & (W - 1)), d)
         keys = jnp.where((kp >= start)[:, None], chunk, ring)
         return update(carry, keys, kp >= lo)
 
     def topk_chunk(i, carry):
         idx = topk_ref[pl.ds((s * (n_topk_chunks // splits) + i) * block_k, block_k)]
-        j = jnp.maximum(idx, 0)
-        rpb = rows_ref.shape[1]
-        blk = bt_ref[r, jnp.minimum(j // rpb, bt_ref.shape[1] - 1)]
-        at = j % rpb
-        if rows_ref.dtype == jnp.uint8:
-            nb = d // records.block_size("nvfp4", d)
-            keys = records.decode("nvfp4", rows_ref[blk, at, pl.ds(0, d // 2)], rows_ref[blk, at, pl.ds(d // 2, nb)])
-        else:
-            keys = rows_ref[blk, at, :].astype(jnp.float32)
+        keys = paged.load_rows(rows_ref, "nvfp4", d, bt_ref, r, jnp.maximum(idx, 0))
         return update(carry, keys, idx >= 0)
 
     bh = q.shape[0]

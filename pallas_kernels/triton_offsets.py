@@ -4,9 +4,9 @@ JAX's Triton lowering (`_compute_offsets_from_indices`, jax 0.11-0.12) computes 
 offset in int32 unless the array holds more than 2**32 *bytes*. Offsets count elements, so a one-byte array
 (uint8 / FP8) of 2-4 GiB gets int32 offsets that overflow past element 2**31: the kernel reads before the
 array's start. Found on an H200 (2026-12-04): V4.1-Flash's MXFP4 expert stacks are 2.26 GB per projection,
-so the rows of experts 365-383 read other memory (the fused MoE differed from the XLA path by 0.5-1.1 from batch
-8 on, 1e-5 at batch 1, where 6 experts are touched), and the attention's 2.4 GB NVFP4 row cache at 64 x 128K
-context faulted (CUDA_ERROR_ILLEGAL_ADDRESS). `apply()` (run when `pallas_kernels` is
+so the rows of experts 365-383 read other memory (the fused MoE's output was wrong from batch 8 on and right at
+batch 1, where 6 experts are touched: docs/design/measurements.md), and the attention's 2.4 GB NVFP4 row cache at
+64 x 128K context faulted (CUDA_ERROR_ILLEGAL_ADDRESS). `apply()` (run when `pallas_kernels` is
 imported) makes the lowering use int64 offsets for such arrays too: it hands the original rule an array of the
 same shape described as 4-byte elements, which only moves it past the 2**32-byte test (the offsets stay in
 elements). Arrays under 2**31 elements keep int32 offsets.

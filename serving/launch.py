@@ -40,7 +40,7 @@ def serve_requests(args: argparse.Namespace) -> dict:
     from serving.engine.engine import Engine
     from serving.runtime.config import RuntimeConfig
     from serving.runtime.kv_cache import smallest_block_size
-    from serving.runtime.runner import enable_compilation_cache
+    from serving.runtime.compiler import enable_compilation_cache
     from serving.runtime.sampling_params import SamplingParams
     from sharding.mesh import ParallelConfig
 

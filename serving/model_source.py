@@ -13,6 +13,7 @@ import jax
 import dsv41
 from dsv41.api import fp8_engram_tables
 from dsv41.nano import NANO_DIR
+from serving.text.template_kwargs import ChatTemplateKwargs, read_checkpoint_defaults
 from serving.text.tokenizer import Tokenizer, byte_level_tokenizer
 
 DEFAULT_NAME = "dsv41-nano-austen"
@@ -52,6 +53,8 @@ class ModelSource:
     tokenizer: Tokenizer | None
     name: str  # the served model name
     description: str  # one line for the banner
+    # what the checkpoint folder states about thinking (`tokenizer_config.json`); None: nothing, V4.1's recipe
+    chat_template_kwargs: ChatTemplateKwargs | None = None
 
 
 def load_model(args: ModelArgs, seed: int = 0, parallel=None, progress: bool = False) -> ModelSource:
@@ -88,13 +91,13 @@ def _load(model: str | None, dtype: str, seed: int, engram_cpu_offload: bool, sh
         return ModelSource(m, Tokenizer.from_dir(NANO_DIR), DEFAULT_NAME,
                            f"built-in default: nano-austen, a {_params(m)} V4.1 trained on five Jane Austen novels "
                            f"(release formats, {NANO_DIR}); it writes Austen-like prose, not answers - pass --model "
-                           "for a checkpoint")
+                           "for a checkpoint", read_checkpoint_defaults(NANO_DIR))
     path = Path(model)
     if path.is_dir():
         m = _load_checkpoint(path, dtype, engram_cpu_offload, shardings, progress)
         tok = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
         note = "" if tok else " (no tokenizer.json: token-id prompts only)"
-        return ModelSource(m, tok, path.name, f"checkpoint {path}{note}")
+        return ModelSource(m, tok, path.name, f"checkpoint {path}{note}", read_checkpoint_defaults(path))
     if model in dsv41.PRESETS:
         release = dsv41.load_config(model).quantization is not None  # the full-size presets: release formats
         if dtype == "auto":

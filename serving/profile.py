@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
     from serving.engine.profiler import Profiler
     from serving.engine.trace_report import format_report, read_trace
     from serving.model_source import load_model
-    from serving.runtime.runner import enable_compilation_cache
+    from serving.runtime.compiler import enable_compilation_cache
 
     enable_compilation_cache(ns.compilation_cache_dir)
     try:

@@ -12,12 +12,14 @@ import asyncio
 import logging
 import sys
 import time
+from pathlib import Path
 from typing import NamedTuple
 
 from serving.api.server import ServerArgs
 from serving.engine.args import EngineArgs, FlagError, add_flags, from_flags, to_flags
 from serving.model_source import ModelArgs
 from serving.runtime.host_memory import keep_freed_memory
+from serving.text.template_kwargs import ChatTemplateKwargs
 
 
 class ServeArgs(NamedTuple):
@@ -60,37 +62,46 @@ def main(argv: list[str] | None = None) -> None:
     ea.parallel.use_cpu_devices()  # before anything starts JAX's backends
     import uvicorn
 
+    from serving.api.response_store import ResponseStore
     from serving.api.server import build_app
     from serving.engine.async_engine import AsyncEngine
     from serving.engine.engine import Engine
     from serving.model_source import load_model
-    from serving.runtime.runner import enable_compilation_cache
+    from serving.runtime.exe_cache import ExecutableCacheSettings
 
-    enable_compilation_cache(srv.compilation_cache_dir, executables=True, max_bytes=srv.compilation_cache_max_bytes)
+    # the server keeps its step programs in the executable cache (a restart skips tracing as well as compiling)
+    exe_cache = (ExecutableCacheSettings(Path(srv.compilation_cache_dir) / "executables",
+                                         srv.compilation_cache_max_bytes) if srv.compilation_cache_dir else None)
     try:
         src = load_model(args.model, ea.runtime.seed, ea.parallel, progress=True)
         _say(f"model: {src.description}")
         _say(f"loaded in {time.perf_counter() - t0:.1f}s; precompiling the step buckets "
              f"(cached in {srv.compilation_cache_dir or 'memory only'}) ...")
         engine = Engine(src.model, src.tokenizer, ea, model_name=src.name, progress=True,
-                        background_compile=srv.background_compile)
+                        background_compile=srv.background_compile, executable_cache=exe_cache)
     except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")
     if ea.parallel.world_size > 1:
         _say(f"parallel layout: {ea.parallel.describe()}")
     kv = engine.runner.kv_report()
     per_rank = f" ({engine.runner.ranks} data-parallel ranks)" if engine.runner.ranks > 1 else ""
-    compiled = len(engine.runner.compiled_keys)
-    rest = "" if engine.runner.background_done else f" ({compiled} before ready, the others in the background)"
+    compiled = len(engine.runner.compiler.compiled_keys)
+    compiler = engine.runner.compiler
+    rest = "" if compiler.background_done else f" ({compiled} before ready, the others in the background)"
     _say(f"KV cache: {engine.scheduler.num_blocks} blocks of {engine.scheduler.block_size} tokens{per_rank}, "
          f"{kv['total_bytes'] / 2**20:.1f} MiB; {len(engine.runner.buckets.tokens)} token buckets{rest}")
     _say(f"replay: {engine.runner.replay_summary()}")
+    _say(f"kernels: {engine.runner.compiler.describe_kernels()}")
     _say(f"scheduling: {engine.scheduling_summary()}")
-    if (cache := engine.runner.exe_cache) is not None:
+    if (cache := engine.runner.compiler.exe_cache) is not None:
         _say(f"executable cache: {cache.hits} programs loaded, {cache.misses} compiled ({cache.folder})")
     aengine = AsyncEngine(engine)
+    chat_defaults, stated_by = _chat_defaults(srv, src)
+    _say(f"chat: a request that states nothing about thinking gets {chat_defaults.describe()} ({stated_by})")
     app = build_app(aengine, src.tokenizer, model_name=src.name, max_model_len=ea.runtime.max_model_len,
-                    api_key=srv.api_key, max_body_bytes=srv.max_request_body_bytes, profile_dir=srv.profile_dir)
+                    api_key=srv.api_key, max_body_bytes=srv.max_request_body_bytes, profile_dir=srv.profile_dir,
+                    chat_defaults=chat_defaults,
+                    response_store=ResponseStore(srv.responses_store_max_entries, srv.responses_store_max_bytes))
     config = uvicorn.Config(app, host=srv.host, port=srv.port, log_level=srv.log_level,
                             access_log=not srv.disable_access_log, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
@@ -107,6 +118,15 @@ def main(argv: list[str] | None = None) -> None:
                 _say(f"trace written to {app.state.profiler.stop().folder}")
 
     asyncio.run(serve())
+
+
+def _chat_defaults(srv: ServerArgs, src) -> tuple[ChatTemplateKwargs, str]:
+    """The chat-template defaults in force and who stated them: the flag, else the checkpoint, else the recipe."""
+    if (flag := srv.chat_template_defaults) is not None:
+        return flag, "--default-chat-template-kwargs"
+    if src.chat_template_kwargs is not None:
+        return src.chat_template_kwargs, "the checkpoint's tokenizer_config.json chat_template_kwargs"
+    return ChatTemplateKwargs(), "V4.1's recipe; --default-chat-template-kwargs changes it"
 
 
 async def _announce(server, url: str, name: str, t0: float) -> None:

@@ -67,7 +67,7 @@ class ExpertDispatch:
         if not manual:
             # Outside the per-rank runtime the tokens are replicated: pin that on both sides of the dispatch, or
             # XLA's propagation spreads its token split into the neighbouring mHC / norm ops, which then round
-            # differently on fewer rows (float32 noise of ~1e-5 on the small preset).
+            # differently on fewer rows (float32 noise: docs/design/measurements.md).
             x_TD = jax.lax.with_sharding_constraint(x_TD, NamedSharding(self.mesh, P()))
         T = x_TD.shape[0]
         if hasattr(experts, "eplb_replicas"):  # EPLB placement: each choice -> one replica of its expert

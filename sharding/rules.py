@@ -58,15 +58,9 @@ PARAM_RULES: tuple[tuple[str, Logical], ...] = (
     (r"head\.weight", ("vocab", None)),  # [V, D]
 )
 
-# KV-cache group (serving.runtime.kv_cache) -> logical axes of its arrays.
-CACHE_RULES: dict[str, Logical] = {
-    "swa": ("requests", None, None),  # [num_slots, W, d]
-    "tail": ("requests", None, None),  # [num_slots, 2, d]
-    "pool": ("requests", None, None, None),  # [num_slots, S, 2, width]
-    "index_pool": ("requests", None, None, None),
-    "rows": ("requests", None, None),  # [num_blocks, rows_per_block, d]
-    "keys": ("requests", None, None),  # [num_blocks, rows_per_block, ihd]
-}
+# Every KV-cache array (serving.runtime.kv_cache) leads with request slots or blocks: [num_slots or num_blocks, ...],
+# split over the data-parallel ranks (each rank's slots and blocks are its own); the rest is replicated.
+CACHE_LEAD: Logical = ("requests",)
 
 ACTIVATION_RULES: dict[str, Logical] = {
     "dispatch_tokens": ("dispatch", None),  # [T, D] entering the MoE all-to-all
@@ -136,10 +130,15 @@ def fallbacks(mesh: Mesh, shapes: dict[tuple, tuple[int, ...]]) -> list[str]:
     return sorted(out)
 
 
-def cache_shardings(mesh: Mesh, cache_shapes: dict) -> dict:
-    """The KV-cache pytree ({group: {layer: array or ShapeDtypeStruct}}) -> its NamedShardings."""
-    return {g: {k: NamedSharding(mesh, to_spec(mesh, CACHE_RULES[g], tuple(a.shape))) for k, a in layers.items()}
-            for g, layers in cache_shapes.items()}
+def cache_shardings(mesh: Mesh, cache_shapes):
+    """The KV-cache pytree (of arrays or ShapeDtypeStructs) -> the same pytree of NamedShardings."""
+    return jax.tree.map(lambda a: NamedSharding(mesh, to_spec(mesh, cache_logical(len(a.shape)), tuple(a.shape))),
+                        cache_shapes)
+
+
+def cache_logical(ndim: int) -> Logical:
+    """The logical axes of an `ndim`-dimensional cache array."""
+    return CACHE_LEAD + (None,) * (ndim - 1)
 
 
 def activation_spec(mesh: Mesh, name: str, shape: tuple[int, ...]) -> P:

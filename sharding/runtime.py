@@ -60,16 +60,21 @@ class MeshPlacement:
         return NamedSharding(self.mesh, rules.to_spec(self.mesh, ("requests",) + (None,) * (ndim - 1),
                                                       (self.ranks,) + (1,) * (ndim - 1)))
 
-    def zeros(self, rank_shapes, *, cache: bool = False):
-        """Global zero arrays holding every rank's copy of `rank_shapes` (ShapeDtypeStructs of one rank) one
-        after another on the first dimension, created in place on their shardings."""
+    def global_specs(self, rank_shapes, *, cache: bool = False):
+        """Every rank's copy of `rank_shapes` (ShapeDtypeStructs of one rank) one after another on the first
+        dimension, as ShapeDtypeStructs with their shardings (`cache`: the KV cache's rule)."""
         shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct((self.ranks * s.shape[0], *s.shape[1:]), s.dtype),
                               rank_shapes)
         if cache:
             shardings = rules.cache_shardings(self.mesh, shapes)
         else:
             shardings = jax.tree.map(lambda s: self.rows_sharding(len(s.shape)), shapes)
-        return jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), out_shardings=shardings)()
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+
+    def zeros(self, rank_shapes, *, cache: bool = False):
+        """Global zero arrays holding every rank's copy of `rank_shapes` (ShapeDtypeStructs of one rank) one
+        after another on the first dimension, created in place on their shardings."""
+        return zeros_like(self.global_specs(rank_shapes, cache=cache))
 
     def put_batch(self, batch):
         """A rank-stacked host batch (a pytree of [ranks, ...] arrays) onto the devices, each rank's row on its
@@ -103,6 +108,12 @@ class MeshPlacement:
                 leaves, cache, carry, batch, *replicated)
 
         return run
+
+
+def zeros_like(specs):
+    """Zero arrays of `specs` (ShapeDtypeStructs), each created in place on its sharding (or the default device)."""
+    shardings = jax.tree.map(lambda s: s.sharding, specs)
+    return jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), specs), out_shardings=shardings)()
 
 
 def on_local_heads(kernel: Callable, q_THd: jax.Array, sink_H: jax.Array, *replicated) -> jax.Array:

@@ -38,7 +38,7 @@ import jax
 import pytest
 
 from serving.runtime.map_limit import memory_maps
-from serving.runtime.runner import enable_compilation_cache
+from serving.runtime.compiler import enable_compilation_cache
 
 # Tests that build the same engine configuration in several processes (xdist workers, server subprocesses,
 # reruns) load compiled buckets from disk instead of recompiling them.

@@ -38,7 +38,7 @@ def test_runtime_with_host_tables_matches_device_tables(tiny_dir):
     outs = []
     for offload in (False, True):
         runner = Runner(dsv41.load(tiny_dir, engram_cpu_offload=offload), rc, progress=False)
-        runner.precompile()
+        runner.compiler.precompile()
         d = Driver(runner)
         for rid, p in prompts.items():
             d.start(rid, p)

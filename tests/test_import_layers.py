@@ -93,6 +93,32 @@ def package_files() -> list[Path]:
     return sorted(f for pkg in PACKAGES for f in (ROOT / pkg).rglob("*.py"))
 
 
+def import_cycles(sources: dict[Path, str]) -> list[str]:
+    """Import circles among these files (path -> source text; every import, lazy ones too), one line each:
+    "a -> b -> a". A layer may import itself, but not in a circle: each of its modules has one direction."""
+    edges = {}
+    for path, source in sources.items():
+        module = module_name(path)
+        edges[module] = {t for _, t in imported_modules(path, source, module) if t != module}
+    cycles, state = [], {}  # state: 1 = on the current path, 2 = done
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(edges.get(module, ())):
+            if target not in edges:
+                continue  # outside these files
+            if state.get(target) == 1:
+                cycles.append(" -> ".join(path[path.index(target):] + [module, target]))
+            elif target not in state:
+                visit(target, path + [module])
+        state[module] = 2
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module, [])
+    return cycles
+
+
 def test_packages_import_downwards_only():
     files = package_files()
     assert len(files) > 80  # the walk found the packages
@@ -115,3 +141,24 @@ def test_the_check_fails_on_upward_and_unplaced_imports(module, source, message)
     """The checker on a file holding a bad import: it names the file, the line and both layers."""
     bad = violations({ROOT / module: source})
     assert any(message in b for b in bad), bad
+
+
+def test_the_benchmarks_import_one_way():
+    """serving.bench imports within itself without a circle (it had one: sharding_report <-> memory_plan,
+    sharding_report <-> full_size_lowering, through imports inside functions)."""
+    files = sorted((ROOT / "serving" / "bench").glob("*.py"))
+    assert len(files) > 20
+    cycles = import_cycles({f: f.read_text(encoding="utf-8") for f in files})
+    assert not cycles, "import circles in serving.bench:\n" + "\n".join(cycles)
+
+
+def test_the_cycle_check_finds_a_circle_through_a_lazy_import():
+    bench = ROOT / "serving" / "bench"
+    sources = {bench / "sharding_report.py": "def main():\n    from serving.bench import memory_plan\n",
+               bench / "memory_plan.py": "from serving.bench.layout_memory import memory_report\n"
+                                         "from serving.bench.sharding_report import kv_bytes_per_request\n",
+               bench / "layout_memory.py": "import numpy\n"}
+    assert import_cycles(sources) == [
+        "serving.bench.memory_plan -> serving.bench.sharding_report -> serving.bench.memory_plan"]
+    sources[bench / "memory_plan.py"] = "from serving.bench.layout_memory import memory_report\n"
+    assert import_cycles(sources) == []

@@ -16,6 +16,7 @@ from dsv41.checkpoint import release_names
 from dsv41.safetensors_io import open_checkpoint
 from serving.runtime.config import RuntimeConfig
 from serving.runtime.runner import Runner
+from serving.runtime.programs import Program
 from tests.release_checkpoint import write_release
 from tests.serving.driver import Driver
 
@@ -81,7 +82,7 @@ def test_runtime_prefill_with_trimming_and_decode_match_dequantize_at_load(tiny_
     outs = []
     for weights in ("release", "dequantize"):
         runner = Runner(dsv41.load(tiny_dir, weights=weights), rc, progress=False)
-        runner.precompile([("seg1", 8), ("seg1", 32), ("seg2", 8)])  # the chunks below (seg2: the trimmed rows)
+        runner.compiler.precompile([Program.SEGMENT1.at(8), Program.SEGMENT1.at(32), Program.SEGMENT2.at(8)])  # the chunks below (seg2: the trimmed rows)
         d = Driver(runner)
         d.start("a", prompt)
         got = [d.step({"a": n})["a"] for n in (32, 32, 6)]  # last chunk trims the decoder layers

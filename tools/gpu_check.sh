@@ -35,7 +35,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=c
 nproc | tee -a "$OUT/steps.log"
 
 step "kernels' benchmark at V4.1-Flash sizes (checked on the device against the slower path, then timed)"
-timeout -k 5 "${KERNEL_BENCH_S:-150}" "$PY" -m pallas_kernels.bench --reps 10 --max-seconds "${KERNEL_CASES_S:-120}" \
+timeout -k 5 "${KERNEL_BENCH_S:-150}" "$PY" -m serving.bench.kernels --reps 10 --max-seconds "${KERNEL_CASES_S:-120}" \
     --only "${KERNEL_ONLY:-}" --out "$OUT/kernel_bench.json" 2>&1 | tee -a "$OUT/steps.log"
 echo "rc ${PIPESTATUS[0]}" | tee -a "$OUT/steps.log"
 

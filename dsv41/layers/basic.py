@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels import fp8_linear
+from pallas_kernels.kernel_config import KernelConfig
 
 
 def matmul_precision(dtype: jnp.dtype) -> jax.lax.Precision:
@@ -22,6 +23,19 @@ def dense(x: jax.Array, w_OI: jax.Array, out_dtype: jnp.dtype | None = None) -> 
     y = jnp.einsum("...i,oi->...o", x.astype(w_OI.dtype), w_OI, preferred_element_type=jnp.float32,
                    precision=matmul_precision(w_OI.dtype))
     return y.astype(out_dtype or w_OI.dtype)
+
+
+def with_kernels(module: nnx.Module, kernels: KernelConfig) -> nnx.Module:
+    """`module` whose fused ops run the kernels of `kernels`: a new module graph over the same parameters (the
+    same variables and arrays: nothing is copied), every module declaring `kernels` (Router, Experts, Linear,
+    Block) holding this config; `module` itself is left as it is."""
+    if not isinstance(kernels, KernelConfig):
+        raise TypeError(f"kernels must be a KernelConfig, got {type(kernels).__name__}")
+    new = nnx.merge(*nnx.split(module))
+    for _, m in nnx.iter_modules(new):
+        if "kernels" in vars(m):
+            m.kernels = kernels  # a module of the new graph, which no one else holds yet
+    return new
 
 
 def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float, out_dtype: jnp.dtype | None = None) -> jax.Array:
@@ -38,12 +52,13 @@ class Linear(nnx.Module):
 
     `store_fp8(block)` keeps the weight in the release's FP8 format on the device: `weight` e4m3 [O, I] and
     `scale` UE8M0 exponent bytes [ceil(O/b0), ceil(I/b1)]; each call decodes what it reads to `dtype` (the
-    compute dtype) through `pallas_kernels.fp8_linear` with `kernel_impl` (static; see `set_kernel_impl`).
+    compute dtype) through `pallas_kernels.fp8_linear` with the implementation of `kernels` (static; given by
+    `with_kernels`).
     """
 
     def __init__(self, in_features: int, out_features: int, *, dtype: jnp.dtype):
         self.dtype = jnp.dtype(dtype)
-        self.kernel_impl = "auto"
+        self.kernels = KernelConfig()
         self.weight = nnx.Param(jnp.zeros((out_features, in_features), dtype))
         self.scale: nnx.Param | None = nnx.data(None)
         self.block: tuple[int, int] | None = None
@@ -53,6 +68,10 @@ class Linear(nnx.Module):
         self.block = (int(block[0]), int(block[1]))
         self.weight = nnx.Param(jnp.zeros((O, I), jnp.float8_e4m3fn))
         self.scale = nnx.Param(jnp.zeros((-(-O // self.block[0]), -(-I // self.block[1])), jnp.uint8))
+
+    @property
+    def kernel_impl(self) -> str:
+        return self.kernels.impl
 
     def matrix(self) -> jax.Array:
         """The weight [O, I] in the compute dtype."""

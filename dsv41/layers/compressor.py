@@ -7,7 +7,8 @@ an open group, which has no row yet).
 V4 (`V4Compressor`, compat mode): ratio 4 with two overlapping series (Ca of window w-1 and Cb of window w
 pooled over 2r slots) and ratio 128 without overlap, both with a learned `ape` added to the gate.
 
-All pooling math is float32 (the release keeps wkv/wgate in BF16 and projects to fp32).
+All pooling math is float32 (the release keeps wkv/wgate in BF16 and projects to fp32). The norm, RoPE and
+index keys after the pooling are `dsv41.layers.attention.publish_kv_source`.
 """
 
 from __future__ import annotations
@@ -63,9 +64,9 @@ class Compressor(nnx.Module):
         new_tail = (kv_Td[-1], gate_Td[-1]) if kv_Td.shape[0] % 2 else None
         return self.pool(kv_Td, gate_Td), new_tail
 
-    def __call__(self, x_TD: jax.Array) -> jax.Array:
-        """Pre-RoPE latent rows [T // ratio, d] in the compute dtype."""
-        return self.norm(self.pool(*self.project(x_TD)), x_TD.dtype)
+    def pooled(self, x_TD: jax.Array) -> jax.Array:
+        """The closed groups of a sequence starting at position 0, pooled before the norm: [T // ratio, d] float32."""
+        return self.pool(*self.project(x_TD))
 
 
 class V4Compressor(nnx.Module):
@@ -79,7 +80,9 @@ class V4Compressor(nnx.Module):
         self.ape = nnx.Param(jnp.zeros((ratio, k * head_dim), jnp.float32))
         self.norm = RMSNorm(head_dim, eps, dtype=dtype)
 
-    def __call__(self, x_TD: jax.Array) -> jax.Array:
+    def pooled(self, x_TD: jax.Array) -> jax.Array:
+        """The closed windows of a sequence starting at position 0, pooled before the norm: [T // ratio, d]
+        float32."""
         r, d = self.ratio, self.head_dim
         n = x_TD.shape[0] // r
         width = self.ape.shape[-1]
@@ -92,5 +95,4 @@ class V4Compressor(nnx.Module):
             prev_gate = jnp.concatenate([jnp.full_like(gate[:1, :, :d], -jnp.inf), gate[:-1, :, :d]], axis=0)
             kv = jnp.concatenate([prev_kv, kv[:, :, d:]], axis=1)
             gate = jnp.concatenate([prev_gate, gate[:, :, d:]], axis=1)
-        pooled = jnp.sum(jax.nn.softmax(gate, axis=1) * kv, axis=1)
-        return self.norm(pooled, x_TD.dtype)
+        return jnp.sum(jax.nn.softmax(gate, axis=1) * kv, axis=1)

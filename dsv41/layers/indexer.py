@@ -36,17 +36,11 @@ class Indexer(nnx.Module):
         self.compressor = (V4Compressor(dim, index_head_dim, ratio, overlap=True, eps=eps, dtype=dtype)
                            if v4_compressor else None)
 
-    def keys(self, source_Nc: jax.Array, cos: jax.Array, sin: jax.Array, fake_quant: bool) -> jax.Array:
-        """Index keys [N, ihd] (float32) at the rows' group-start angles cos/sin [N, d_r/2].
-
-        V4.1: source = the KV source's pre-RoPE compressor latent; V4: source = hidden states x.
-        """
-        if self.compressor is not None:
-            k = self.compressor(source_Nc)
-        else:
-            assert self.wk is not None and self.k_norm is not None, "only KV-source indexers own wk"
-            k = self.k_norm(self.wk(source_Nc, jnp.float32))
-        return self.rotate_keys(k, cos, sin, fake_quant)
+    def keys(self, latent_Nd: jax.Array, cos: jax.Array, sin: jax.Array, fake_quant: bool) -> jax.Array:
+        """V4.1 index keys [N, ihd] (float32) of a KV source's pre-RoPE compressor latent [N, d], at the rows'
+        group-start angles cos/sin [N, d_r/2] (V4's come from its own compressor: `publish_kv_source`)."""
+        assert self.wk is not None and self.k_norm is not None, "only KV-source indexers own wk"
+        return self.rotate_keys(self.k_norm(self.wk(latent_Nd, jnp.float32)), cos, sin, fake_quant)
 
     @staticmethod
     def rotate_keys(k_Nc: jax.Array, cos: jax.Array, sin: jax.Array, fake_quant: bool) -> jax.Array:

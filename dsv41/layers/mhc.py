@@ -53,7 +53,8 @@ def sinkhorn(c_Tnn: jax.Array, iters: int, eps: float) -> jax.Array:
 
     Token-last ([n, n, T]: the sums vectorise over tokens) in a `fori_loop`: unrolled, the 39 normalizations
     of a [T, 4, 4] matrix are ~120 tiny XLA ops per mix, two mixes per layer - most of a served program's
-    instructions and compile time, and 10x slower on XLA:CPU (20 iterations at T = 8: 121 -> 13 us)."""
+    instructions and compile time, and an order of magnitude slower on XLA:CPU than the loop
+    (docs/design/measurements.md)."""
     c = jnp.transpose(c_Tnn, (1, 2, 0))
     c = c / (jnp.sum(c, axis=0, keepdims=True) + eps)
 

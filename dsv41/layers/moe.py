@@ -3,7 +3,7 @@ routed_scaling_factor, clamped SwiGLU experts, one shared expert. V4 compat: has
 their experts from `tid2eid[token]` (weights still from the scores).
 
 The routed experts run as a grouped matmul over the (token, choice) pairs sorted by expert
-(`pallas_kernels.moe_gmm`: a tiled XLA path on CPU, a Pallas kernel on GPU), so a token costs its k
+(`pallas_kernels.moe_gmm`: a Pallas kernel on GPU, a tiled XLA path on CPU in `moe_xla`), so a token costs its k
 experts, not all E.
 """
 
@@ -14,13 +14,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv41.layers.basic import Linear, matmul_precision
-from pallas_kernels import resolve_impl
 from pallas_kernels.expert_weights import (
     MXFP4_BLOCK,
     QuantizedExperts,
     reference_dequantize,
 )
-from pallas_kernels.moe_gmm import SMALL_STEPS, routed_experts
+from pallas_kernels.kernel_config import KernelConfig, MoeStep
+from pallas_kernels.moe_gmm import routed_experts
 from pallas_kernels.router import route
 
 
@@ -34,13 +34,13 @@ def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
 class Router(nnx.Module):
     """gate.weight [E, D]; gate.bias [E] (float32, selection only) or V4 hash layers' tid2eid [V, k].
 
-    Bias-routed layers go through `pallas_kernels.router.route` with `kernel_impl` (static; see
-    `set_kernel_impl`)."""
+    Bias-routed layers go through `pallas_kernels.router.route` with the implementation of `kernels` (static;
+    given by `dsv41.layers.basic.with_kernels`)."""
 
     def __init__(self, dim: int, n_experts: int, top_k: int, scaling: float, *, hash_vocab: int | None,
                  dtype: jnp.dtype):
         self.top_k, self.scaling = top_k, scaling
-        self.kernel_impl = "auto"
+        self.kernels = KernelConfig()
         self.weight = nnx.Param(jnp.zeros((n_experts, dim), dtype))
         if hash_vocab is None:
             self.bias = nnx.Param(jnp.zeros((n_experts,), jnp.float32))
@@ -48,6 +48,10 @@ class Router(nnx.Module):
         else:
             self.bias = None
             self.tid2eid = nnx.Param(jnp.zeros((hash_vocab, top_k), jnp.int32))
+
+    @property
+    def kernel_impl(self) -> str:
+        return self.kernels.impl
 
     def __call__(self, x_TD: jax.Array, ids_T: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Expert ids [T, k] and combine weights [T, k] (float32)."""
@@ -63,39 +67,22 @@ class Router(nnx.Module):
         return sel, weights * self.scaling
 
 
-def set_kernel_impl(module: nnx.Module, impl: str) -> None:
-    """Run every fused op under `module` through `impl` ("auto" | "reference" | "xla" | "pallas"): each module
-    declaring a static `kernel_impl` (Router, Experts, Linear for FP8 weights, and Block for the mHC post +
-    collapse + norm); takes effect for graphdefs split after the call."""
-    resolve_impl(impl)  # refuse unknown names here, not at trace time
-    for _, m in nnx.iter_modules(module):
-        if hasattr(m, "kernel_impl"):
-            m.kernel_impl = impl
-
-
-def set_small_steps(module: nnx.Module, form: str) -> None:
-    """The routed experts' form for steps of few rows per expert on the XLA path (`pallas_kernels.moe_gmm.xla`'s
-    `small_steps`: "rule", "tune" or a form) in every `Experts` under `module`; static, like `kernel_impl`."""
-    if form not in SMALL_STEPS:
-        raise ValueError(f"small_steps must be one of {SMALL_STEPS}, got {form!r}")
-    for _, m in nnx.iter_modules(module):
-        if isinstance(m, Experts):
-            m.small_steps = form
-
-
 class Experts(nnx.Module):
     """Routed experts stacked: w1, w3 [E, I, D], w2 [E, D, I] (release: ffn.experts.e.w{1,2,3}).
 
     `store_mxfp4()` keeps them in the release's MXFP4 format on the device: `w1` = the packed e2m1 bytes
     [E, I, D/2] and `w1_scale` the UE8M0 bytes [E, I, D/32] (likewise w3, w2), read by the grouped matmul,
-    which decodes the tiles it loads (`pallas_kernels.expert_weights`)."""
+    which decodes the tiles it loads (`pallas_kernels.expert_weights`).
+
+    The grouped matmul runs the implementation of `kernels` and, on the XLA path, its form for this call's shape
+    where that is a small step (`KernelConfig.small_step_form`; static, given by
+    `dsv41.layers.basic.with_kernels`)."""
 
     NAMES = ("w1", "w3", "w2")
 
     def __init__(self, n_experts: int, dim: int, inter: int, limit: float, *, dtype: jnp.dtype):
         self.limit = limit
-        self.kernel_impl = "auto"
-        self.small_steps = "rule"  # the XLA path's form for few rows per expert (see `set_small_steps`)
+        self.kernels = KernelConfig()
         self.weight_kind: str | None = None  # None: float weights; "mxfp4": release records
         self.w1 = nnx.Param(jnp.zeros((n_experts, inter, dim), dtype))
         self.w3 = nnx.Param(jnp.zeros((n_experts, inter, dim), dtype))
@@ -118,6 +105,19 @@ class Experts(nnx.Module):
             setattr(self, name + "_scale", nnx.data(None))
         self.weight_kind = None
 
+    @property
+    def kernel_impl(self) -> str:
+        return self.kernels.impl
+
+    def small_step(self, rows: int, top_k: int) -> MoeStep | None:
+        """The shape of a call on `rows` rows of `top_k` choices, as `KernelConfig.moe_small_steps` lists it (None:
+        quantized experts, which never take a small-step form)."""
+        if self.weight_kind is not None:
+            return None
+        w1 = self.w1.get_value()
+        E, I, D = w1.shape
+        return MoeStep(rows, top_k, E, I, D, jnp.dtype(w1.dtype).name)
+
     def weights(self) -> tuple:
         """(w1, w3, w2) as the grouped matmul takes them: float arrays or `QuantizedExperts`."""
         if self.weight_kind is None:
@@ -127,8 +127,10 @@ class Experts(nnx.Module):
 
     def __call__(self, x_TD: jax.Array, ids_TK: jax.Array, weights_TK: jax.Array) -> jax.Array:
         """sum_j weights[t, j] * expert_{ids[t, j]}(x_t), float32 [T, D]."""
-        return routed_experts(x_TD, ids_TK, weights_TK, *self.weights(), limit=self.limit, impl=self.kernel_impl,
-                              small_steps=self.small_steps)
+        step = self.small_step(*ids_TK.shape)
+        form = self.kernels.moe_small_step_form if step is None else self.kernels.small_step_form(step)
+        return routed_experts(x_TD, ids_TK, weights_TK, *self.weights(), limit=self.limit, impl=self.kernels.impl,
+                              small_steps=form)
 
 
 class SharedExpert(nnx.Module):

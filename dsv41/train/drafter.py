@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv41.config import ModelConfig
-from dsv41.layers.attention import sink_softmax
+from dsv41.layers.attention import draft_blocks_attention
 from dsv41.layers.rope import inv_freq, rope_angles
 from dsv41.train.forward import sg, train_blocks
 
@@ -58,25 +58,16 @@ def draft_hidden_batch(model, ids_T: jax.Array, features_TkD: jax.Array, anchors
     block_ids = jnp.concatenate([ids_T[anchors_A][:, None],
                                  jnp.full((A, B - 1), c.dspark_noise_token_id, ids_T.dtype)], axis=1)
     cos, sin = rope_angles(block_pos.reshape(-1), inv_freq(c, "main"))
-    mask = jnp.concatenate([ctx_ok, jnp.ones((A, B), jnp.bool_)], axis=1)  # [A, W + B]
     stage = {blk.role.layer_id: i for i, blk in enumerate(ds.blocks)}
 
-    def attend(block, x):
-        attn = block.attn
-        _, q = attn.project_q(x, cos, sin)
-        kv = attn.project_kv(x, cos, sin, False)
-        d = kv.shape[-1]
-        keys = jnp.concatenate([context[stage[block.role.layer_id]][ctx_pos], kv.reshape(A, B, d)], axis=1)
-        logits = jnp.einsum("abhd,akd->abhk", q.reshape(A, B, -1, d).astype(jnp.float32),
-                            keys.astype(jnp.float32)) * d ** -0.5
-        probs, denom = sink_softmax([jnp.where(mask[:, None, None, :], logits, -jnp.inf)], attn.attn_sink[...])
-        o = jnp.einsum("abhk,akd->abhd", probs[0], keys.astype(jnp.float32)) / denom
-        return attn.output(o.reshape(A * B, -1, d), cos, sin, x.dtype)
+    def attention(block, x):  # one block per anchor
+        rows, sink = context[stage[block.role.layer_id]][ctx_pos], block.attn.attn_sink[...]  # rows [A, W, d]
+        return block.attn.attend(x, cos, sin, lambda _, q, kv: draft_blocks_attention(q, kv, rows, ctx_ok, sink))
 
     flat_ids = block_ids.reshape(-1)
     e = model.embed(flat_ids)
     R = jnp.broadcast_to(e[:, None, :], (A * B, c.hc_mult, e.shape[1]))
-    h, _, stats = train_blocks(ds.blocks, c, R, flat_ids, attend, moe_compute=moe_compute)
+    h, _, stats = train_blocks(ds.blocks, c, R, flat_ids, attention, moe_compute=moe_compute)
     markov_e = ds.markov_embed(ids_T[block_pos])
     return h.reshape(A, B, -1), markov_e, stats
 

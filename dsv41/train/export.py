@@ -78,8 +78,12 @@ def export(run: Path, out: Path, data: Path, *, eval_windows_n: int = 8, seq_len
     params = {p: np.asarray(v) for p, v in trained.params.items()}
     out.mkdir(parents=True, exist_ok=True)
     checkpoint.save_checkpoint(out, c, params, quantize=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(run / "model" / name, out / name)
+    shutil.copy(run / "model" / "tokenizer.json", out / "tokenizer.json")
+    # nano was never trained to close a thinking block: chat defaults to thinking off (the server's
+    # --default-chat-template-kwargs reads this field)
+    tok_config = json.loads((run / "model" / "tokenizer_config.json").read_text())
+    tok_config["chat_template_kwargs"] = {**tok_config.get("chat_template_kwargs", {}), "thinking": False}
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n")
     (out / "eval").mkdir(exist_ok=True)
     (out / nano.HELDOUT_TEXT).write_bytes(lzma.compress((data / "heldout.txt").read_bytes(), preset=9))
     counts = np.bincount(load_tokens(data, "train").astype(np.int64), minlength=c.vocab_size)[: c.vocab_size]

@@ -1,7 +1,8 @@
 """Training forwards of a V4.1 model: the backbone's losses on one sequence, and the DSpark drafter's losses
 against the frozen backbone. Both run the model's own NNX modules (blocks, mHC, attention projections,
-compressor, indexer, router, experts, Engram); what differs from `dsv41.model.forward` is only what a
-trainer needs on top and what makes long sequences cheap:
+compressor, indexer, router, experts, Engram) and the backbone its attention callback
+(`dsv41.model.backbone_attention`: CED sharing, KV-source publishing, the indexer's selection); what differs
+from `dsv41.model.forward` is only what a trainer needs on top and what makes long sequences cheap:
 
 * attention over the window is banded (each block of `sliding_window` queries against its own and the
   previous block's keys) and the selected global rows are gathered (top-k ids), instead of [T, T] and
@@ -19,7 +20,6 @@ V4.1 only (delayed pre-mix mHC, no hash routing; fake quant off: training is flo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
 import jax
@@ -29,10 +29,10 @@ from dsv41.block import Block, Streams, final_streams, mean_stream
 from dsv41.config import ModelConfig
 from dsv41.layers.attention import sink_softmax
 from dsv41.layers.basic import dense
-from dsv41.layers.indexer import causal_row_mask, select_candidate_blocks, select_topk
 from dsv41.layers.mhc import HcMix, hc_collapse, hc_post
 from dsv41.layers.moe import MoE, swiglu
-from dsv41.layers.rope import apply_rope, inv_freq, rope_angles
+from dsv41.model import Published
+from dsv41.model import backbone_attention as model_backbone_attention
 from pallas_kernels.mhc import mhc_post_pre
 
 _NEG = -1e30  # masked logits in differentiable paths: finite, so no inf - inf in a gradient
@@ -47,7 +47,7 @@ class MoeStats(NamedTuple):
 # ====================================================================== attention pieces
 def window_attention(q_THd: jax.Array, kv_Td: jax.Array, sink_H: jax.Array, window: int,
                      rows_Nd: jax.Array | None = None, idx_Tk: jax.Array | None = None) -> jax.Array:
-    """`sparse_attention` of a sequence from position 0, banded: float32 [T, H, d].
+    """`masked_attention` of a sequence from position 0, banded: float32 [T, H, d].
 
     Query p sees SWA keys max(p - window + 1, 0) .. p and the global rows idx[p] (-1 = none), plus the sink.
     Queries go in blocks of b = window / 4 (when it divides), each against the window + b keys ending with
@@ -100,52 +100,18 @@ def indexer_kl(scores_TN: jax.Array, q_THd: jax.Array, rows_Nd: jax.Array, visib
     return jnp.sum(jnp.where(has_rows, kl, 0.0)) / jnp.maximum(jnp.sum(has_rows), 1)
 
 
-@dataclass
-class _Published:
-    """CED sharing within one sequence (as `dsv41.model._Published`), plus the indexer losses."""
+def backbone_attention(c: ModelConfig, positions_T: jax.Array, pub: Published, indexer_losses: list[jax.Array],
+                       kl_stride: int = 1) -> Callable:
+    """The attention callback (block, normed x [T, D]) -> [T, D] of the backbone layers: the model's
+    (`dsv41.model.backbone_attention`) over banded keys (`window_attention`), appending each index source's
+    indexer loss to `indexer_losses`."""
+    def over_keys(role, q, kv, sink, rows, ids):
+        return window_attention(q, kv, sink, c.sliding_window, rows, ids)
 
-    rows: dict[int, jax.Array] = field(default_factory=dict)  # KV source -> global rows [N, d]
-    index_keys: dict[int, jax.Array] = field(default_factory=dict)  # KV source -> index keys [N, ihd]
-    topk: dict[int, jax.Array] = field(default_factory=dict)  # index source -> row ids [T, k], -1 = none
-    candidates: jax.Array | None = None  # [T, N] bool
-    indexer_kl: list[jax.Array] = field(default_factory=list)
+    def on_scores(scores, q, rows, visible):
+        indexer_losses.append(indexer_kl(scores, q, rows, visible, kl_stride))
 
-
-def backbone_attention(c: ModelConfig, positions_T: jax.Array, pub: _Published, kl_stride: int = 1) -> Callable:
-    """The attention callback (block, normed x [T, D]) -> [T, D] of the backbone layers."""
-    angles = {kind: rope_angles(positions_T, inv_freq(c, kind)) for kind in ("main", "compress")
-              if kind == "main" or c.rope_scaling is not None}
-
-    def attend(block: Block, x: jax.Array) -> jax.Array:
-        attn, role = block.attn, block.role
-        cos, sin = angles[role.rope]
-        qr, q = attn.project_q(x, cos, sin)
-        kv = attn.project_kv(x, cos, sin, False)
-        rows = idx = None
-        if role.attn_kind != "swa":
-            r = role.compress_ratio
-            if role.is_kv_source:
-                latent = attn.compressor(x)
-                row_cos, row_sin = rope_angles(jnp.arange(latent.shape[0]) * r, inv_freq(c, "compress"))
-                pub.rows[role.layer_id] = apply_rope(latent, row_cos, row_sin)
-                pub.index_keys[role.layer_id] = attn.indexer.keys(sg(latent), row_cos, row_sin, False)
-            rows = pub.rows[role.kv_source]
-            if role.is_index_source:
-                visible = causal_row_mask(positions_T, rows.shape[0], r)
-                s = attn.indexer.scores(sg(x), sg(qr), pub.index_keys[role.kv_source], cos, sin, False)
-                pub.indexer_kl.append(indexer_kl(s, q, rows, visible, kl_stride))
-                s = jnp.where(visible, sg(s), -jnp.inf)
-                if role.is_candidate_source:
-                    pub.candidates = select_candidate_blocks(s, (positions_T + 1) // r, c.candidate_topk_blocks,
-                                                             c.candidate_block_size)
-                elif role.uses_candidates:
-                    s = jnp.where(pub.candidates, s, -jnp.inf)
-                pub.topk[role.layer_id] = select_topk(s, c.index_topk)
-            idx = pub.topk[role.index_source]
-        o = window_attention(q, kv, attn.attn_sink[...], c.sliding_window, rows, idx)
-        return attn.output(o, cos, sin, x.dtype)
-
-    return attend
+    return model_backbone_attention(c, positions_T, pub, over_keys, on_scores=on_scores)
 
 
 # ============================================================================= blocks and MoE
@@ -231,10 +197,10 @@ def backbone_forward(model, ids_T: jax.Array, targets_T: jax.Array, engram_hashe
                      moe_compute: str = "dense", kl_stride: int = 1) -> BackboneOut:
     """One sequence from position 0: ids [T] predict targets [T] (the next tokens)."""
     c = model.config
-    pub = _Published()
+    indexer_losses: list[jax.Array] = []
     e = model.embed(ids_T)
     R = jnp.broadcast_to(e[:, None, :], (e.shape[0], c.hc_mult, e.shape[1]))
-    attend = backbone_attention(c, jnp.arange(ids_T.shape[0]), pub, kl_stride)
+    attend = backbone_attention(c, jnp.arange(ids_T.shape[0]), Published(), indexer_losses, kl_stride)
     h, captured, stats = train_blocks(model.layers, c, R, ids_T, attend, engram_hashes=engram_hashes,
                                       capture=c.dspark_target_layer_ids, moe_compute=moe_compute)
     logits = model.head(model.norm(h), jnp.float32)
@@ -242,6 +208,6 @@ def backbone_forward(model, ids_T: jax.Array, targets_T: jax.Array, engram_hashe
     lm = -jnp.mean(jnp.take_along_axis(logp, targets_T[:, None], axis=-1))
     features = (jnp.stack([captured[k] for k in c.dspark_target_layer_ids], axis=1) if c.dspark_target_layer_ids
                 else jnp.zeros((ids_T.shape[0], 0, c.hidden_size), jnp.float32))
-    kl = jnp.mean(jnp.stack(pub.indexer_kl)) if pub.indexer_kl else jnp.zeros((), jnp.float32)
+    kl = jnp.mean(jnp.stack(indexer_losses)) if indexer_losses else jnp.zeros((), jnp.float32)
     return BackboneOut(lm, kl, jnp.mean(jnp.stack([s.balance for s in stats])),
                        jnp.stack([s.loads for s in stats]), logits, features)

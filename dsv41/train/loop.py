@@ -33,13 +33,14 @@ from flax import nnx
 from dsv41.api import abstract_params
 from dsv41.config import ModelConfig
 from dsv41.layers.engram import EngramLayout
-from dsv41.layers.moe import set_kernel_impl
+from dsv41.layers.basic import with_kernels
 from dsv41.model import Transformer
 from dsv41.train.config import TrainConfig
 from dsv41.train.data import Windows, eval_windows
 from dsv41.train.drafter import draft_losses
 from dsv41.train.forward import backbone_forward
 from dsv41.train.params import decays, init_train_params, param_group
+from pallas_kernels.kernel_config import KernelConfig
 
 Params = dict[str, jax.Array]
 
@@ -53,8 +54,7 @@ def _key(path: tuple) -> str:
 def _graph(c: ModelConfig) -> tuple[nnx.GraphDef, dict[str, tuple], dict[str, jax.ShapeDtypeStruct]]:
     """Graph definition of the training model (XLA kernel paths: Pallas calls have no gradient rule),
     {dotted key: path} and {dotted key: abstract array}."""
-    model = nnx.eval_shape(lambda: Transformer(c, dtype=jnp.float32))
-    set_kernel_impl(model, "xla")
+    model = with_kernels(nnx.eval_shape(lambda: Transformer(c, dtype=jnp.float32)), KernelConfig(impl="xla"))
     graphdef, _ = nnx.split(model)
     _, abstract = abstract_params(c, jnp.float32)
     return graphdef, {_key(p): p for p in abstract}, {_key(p): v for p, v in abstract.items()}

@@ -4,37 +4,28 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
-from serving.text.encoding import encode_messages, resolve_thinking
+from serving.api.context import Context
 from serving.api.generation import (SSE_DONE, Usage, chat_logprobs, merged, new_id, now, prompt_logprobs_json, sse,
                                     submit_choices)
 from serving.api.protocol import ChatCompletionRequest
 from serving.api.reasoning import ReasoningParser, parse_reasoning
 from serving.api.tool_calls import ToolCallParser, parse_tool_calls
+from serving.api.turns import encode_chat
+from serving.text.template_kwargs import ChatTemplateKwargs
 
 
-@dataclass
-class Context:
-    engine: object  # AsyncEngine
-    tokenizer: object
-    model_name: str
-
-
-def build_prompt(req: ChatCompletionRequest, tokenizer) -> tuple[list[int], bool]:
+def build_prompt(req: ChatCompletionRequest, ctx: Context) -> tuple[list[int], bool]:
     """(prompt ids, thinking on); ValueError names a bad field."""
-    if tokenizer is None:
-        raise ValueError("messages: this model has no tokenizer; use /v1/completions with token ids")
-    thinking, effort = req.thinking_controls()
-    thinking_on, _ = resolve_thinking(thinking, effort)
-    text = encode_messages(req.messages, tools=req.tools, thinking=thinking, reasoning_effort=effort,
-                           add_generation_prompt=req.add_generation_prompt)
-    return tokenizer.encode(text), thinking_on
+    prompt = encode_chat(ctx.tokenizer, req.messages, tools=req.tools,
+                         stated=ChatTemplateKwargs(*req.thinking_controls()), defaults=ctx.chat_defaults,
+                         add_generation_prompt=req.add_generation_prompt)
+    return prompt.ids, prompt.thinking
 
 
 async def chat_completion(req: ChatCompletionRequest, ctx: Context, session_id: str | None):
     """A response dict, or an async iterator of SSE lines when streaming. Raises before anything streams."""
-    prompt_ids, thinking = build_prompt(req, ctx.tokenizer)
+    prompt_ids, thinking = build_prompt(req, ctx)
     params = req.to_sampling()
     rid = new_id("chatcmpl")
     streams = await submit_choices(ctx.engine, rid, prompt_ids, params, priority=req.priority, session_id=session_id,

@@ -7,11 +7,13 @@ guided decoding, `suffix`) are refused with a 400 instead of being silently igno
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from serving.runtime.sampling_params import MAX_LOGPROBS, SamplingParams
+
+INT32_MAX = 2**31 - 1
 
 
 class StreamOptions(BaseModel):
@@ -27,11 +29,11 @@ class _Sampling(BaseModel):
     n: int = Field(1, ge=1, le=64)
     temperature: float | None = Field(None, ge=0, le=100)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)  # the sampler holds it as int32
     min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False

@@ -1,15 +1,16 @@
 """The OpenAI-compatible HTTP server (FastAPI): routes, auth, body limits and the error contract.
 
 Error contract: bad input -> 4xx in OpenAI's error format naming the problem (400 invalid request or profiler
-misuse, 401 missing/wrong API key, 404 unknown model or route, 413 body too large, 503 queue full); the server
-never answers 500 to bad input. A non-streaming request whose client disconnects is aborted within a step; a
-streaming one when its stream is closed.
+misuse, 401 missing/wrong API key, 404 unknown model, route or stored response, 413 body too large, 503 queue
+full), in Anthropic's format on `/v1/messages`; the server never answers 500 to bad input. A non-streaming
+request whose client disconnects is aborted within a step; a streaming one when its stream is closed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,14 +20,24 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serving.api.chat import Context, chat_completion
+from serving.api.chat import chat_completion
 from serving.api.completions import completion
+from serving.api.context import Context, NotFound
 from serving.api.generation import SSE_DONE, now, sse
+from serving.api.messages import anthropic_error, count_tokens, create_message
+from serving.api.messages_protocol import CountTokensRequest, MessagesRequest
 from serving.api.protocol import ChatCompletionRequest, CompletionRequest
+from serving.api.response_store import DEFAULT_MAX_BYTES as STORE_MAX_BYTES
+from serving.api.response_store import DEFAULT_MAX_ENTRIES as STORE_MAX_ENTRIES
+from serving.api.response_store import ResponseStore
+from serving.api.responses import create_response, delete_response, stored_response
+from serving.api.responses_protocol import ResponsesRequest
+from serving.api.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from serving.engine.async_engine import AsyncEngine, EngineDead
 from serving.engine.profiler import Profiler, ProfilerError
 from serving.engine.scheduler import QueueFull
 from serving.runtime.exe_cache import DEFAULT_MAX_BYTES
+from serving.text.template_kwargs import ChatTemplateKwargs
 
 log = logging.getLogger("serving.api")
 
@@ -40,7 +51,8 @@ class ServerArgs:
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=8000, metadata={"help": "port to listen on"})
     api_key: str | None = field(default=None, metadata={
-        "help": "require 'Authorization: Bearer KEY' on /v1 routes and /start_profile, /stop_profile"})
+        "help": "require 'Authorization: Bearer KEY' (or Anthropic's 'x-api-key: KEY') on /v1 routes, /tokenize, "
+                "/detokenize, /start_profile and /stop_profile"})
     max_request_body_bytes: int = field(default=32 << 20, metadata={"help": "larger request bodies get HTTP 413"})
     compilation_cache_dir: str = field(default=str(Path.home() / ".cache" / "dsv41-jax" / "xla"), metadata={
         "help": "where compiled steps are kept: a restart with the same flags loads them ('' turns it off): the "
@@ -61,10 +73,27 @@ class ServerArgs:
     profile_dir: str | None = field(default=None, metadata={
         "help": "enables POST /start_profile and /stop_profile: jax.profiler traces written under this folder "
                 "(TensorBoard / XProf / Perfetto)"})
+    default_chat_template_kwargs: str | None = field(default=None, metadata={
+        "help": "JSON object: what a chat request that states nothing about thinking gets, e.g. "
+                "'{\"thinking\": false}' or '{\"reasoning_effort\": \"max\"}' (keys thinking / enable_thinking, "
+                "reasoning_effort); replaces the checkpoint's own (tokenizer_config.json's chat_template_kwargs). "
+                "Default: the checkpoint's, else V4.1's recipe (thinking on at effort 50)"})
+    responses_store_max_entries: int = field(default=STORE_MAX_ENTRIES, metadata={
+        "help": "/v1/responses keeps at most this many responses for previous_response_id (least recently used "
+                "evicted first)"})
+    responses_store_max_bytes: int = field(default=STORE_MAX_BYTES, metadata={
+        "help": "and at most this many bytes of them (responses and their conversations, as JSON)"})
 
     @property
     def compilation_cache_max_bytes(self) -> int | None:
         return self.compilation_cache_max_gb * 2**30 or None
+
+    @property
+    def chat_template_defaults(self) -> ChatTemplateKwargs | None:
+        """`--default-chat-template-kwargs`, parsed; None when not given."""
+        if self.default_chat_template_kwargs is None:
+            return None
+        return ChatTemplateKwargs.parse_json(self.default_chat_template_kwargs, "default_chat_template_kwargs")
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -78,6 +107,10 @@ class ServerArgs:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         if self.profile_dir is not None and (not self.profile_dir or Path(self.profile_dir).is_file()):
             raise ValueError(f"profile_dir must name a folder, got {self.profile_dir!r}")
+        self.chat_template_defaults  # noqa: B018 - raises naming the field when it is not a valid object
+        for name in ("responses_store_max_entries", "responses_store_max_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 def error(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -87,26 +120,49 @@ def error(status: int, message: str, param: str | None = None) -> JSONResponse:
                         status_code=status)
 
 
+ANTHROPIC_ROUTES = ("/v1/messages", "/v1/messages/count_tokens")
+
+
+def error_for(path: str, status: int, message: str, param: str | None = None) -> JSONResponse:
+    """The error in the format of the API `path` belongs to: Anthropic's on its routes, else OpenAI's."""
+    return anthropic_error(status, message) if path in ANTHROPIC_ROUTES else error(status, message, param)
+
+
+# pydantic names the member of a union it tried in the error's location ("str", "list[TextPart]", "literal[...]",
+# a model's class name); the client's field path leaves them out
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|(list|dict|literal|tagged-union|function-\w+)\[.*\]|[A-Z]\w*)$")
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    parts, param = [], None
+    errors = []
     for e in exc.errors():
         loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        path = [x for x in loc if not _UNION_MEMBER.match(x)]
+        # "not a string" from the string member of `str | list[...]` says nothing when the list member says more
+        mismatch = len(path) < len(loc) and str(e.get("type", "")).endswith("_type")
+        errors.append((e, path, mismatch))
+    if not all(mismatch for _, _, mismatch in errors):
+        errors = [x for x in errors if not x[2]]
+    parts, param = [], None
+    for e, loc, _ in errors:
         if e.get("type") == "json_invalid":
             parts.append(f"the body is not valid JSON: {e.get('msg')}")
             continue
         where = ".".join(loc) or "body"
         param = param or where
-        parts.append(f"{where}: {e.get('msg')}" + (f" (got {e['input']!r})" if "input" in e and loc else ""))
+        shown = "input" in e and loc and e.get("type") != "missing"  # a missing field's input is its parent
+        parts.append(f"{where}: {e.get('msg')}" + (f" (got {e['input']!r})" if shown else ""))
     return "; ".join(parts) or "invalid request", param
 
 
 PROFILE_ROUTES = ("/start_profile", "/stop_profile")
+GUARDED_ROUTES = PROFILE_ROUTES + ("/tokenize", "/detokenize")  # beside every /v1 route
 
 
 class Gate:
-    """ASGI middleware in front of every route: the API key on /v1 and the profiler routes (401), and request
-    bodies over `limit` bytes refused (413), by header or while streaming in. Pure ASGI, so streaming and
-    disconnects pass through."""
+    """ASGI middleware in front of every route: the API key on /v1, tokenizer and profiler routes (401; as
+    `Authorization: Bearer KEY` or Anthropic's `x-api-key: KEY`), and request bodies over `limit` bytes refused
+    (413), by header or while streaming in. Pure ASGI, so streaming and disconnects pass through."""
 
     def __init__(self, app, limit: int, api_key: str | None):
         self.app, self.limit, self.api_key = app, limit, api_key
@@ -114,15 +170,16 @@ class Gate:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        if self.api_key is not None and (scope["path"].startswith("/v1") or scope["path"] in PROFILE_ROUTES):
-            if headers.get(b"authorization", b"") != f"Bearer {self.api_key}".encode():
-                return await error(401, "missing or wrong API key (send 'Authorization: Bearer <key>')")(
-                    scope, receive, send)
+        headers, path = dict(scope.get("headers") or []), scope["path"]
+        if self.api_key is not None and (path.startswith("/v1") or path in GUARDED_ROUTES):
+            if (headers.get(b"authorization", b"") != f"Bearer {self.api_key}".encode()
+                    and headers.get(b"x-api-key", b"") != self.api_key.encode()):
+                return await error_for(path, 401, "missing or wrong API key (send 'Authorization: Bearer <key>' "
+                                                  "or 'x-api-key: <key>')")(scope, receive, send)
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await error(413, f"request body of {int(declared)} bytes exceeds the limit of {self.limit}")(
-                scope, receive, send)
+            return await error_for(path, 413, f"request body of {int(declared)} bytes exceeds the limit of "
+                                              f"{self.limit}")(scope, receive, send)
         pending, total, more = [], 0, True
         while more:  # read the body up front (FastAPI would anyway) so an oversize one never reaches the app
             msg = await receive()
@@ -130,7 +187,8 @@ class Gate:
                 return  # the client left
             total += len(msg.get("body", b""))
             if total > self.limit:
-                return await error(413, f"request body exceeds the limit of {self.limit} bytes")(scope, receive, send)
+                return await error_for(path, 413, f"request body exceeds the limit of {self.limit} bytes")(
+                    scope, receive, send)
             pending.append(msg)
             more = msg.get("more_body", False)
 
@@ -141,26 +199,29 @@ class Gate:
 
 
 def build_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len: int, api_key: str | None = None,
-              max_body_bytes: int = 32 << 20, profile_dir: str | None = None) -> FastAPI:
+              max_body_bytes: int = 32 << 20, profile_dir: str | None = None,
+              chat_defaults: ChatTemplateKwargs | None = None, response_store: ResponseStore | None = None) -> FastAPI:
+    """`chat_defaults`: what a chat request that states nothing about thinking gets (None: V4.1's recipe)."""
     app = FastAPI(title="dsv41-jax", docs_url=None, redoc_url=None)
     app.add_middleware(Gate, limit=max_body_bytes, api_key=api_key)
-    ctx = Context(engine, tokenizer, model_name)
+    ctx = Context(engine, tokenizer, model_name, chat_defaults or ChatTemplateKwargs(), max_model_len,
+                  ResponseStore() if response_store is None else response_store)
     metrics = engine.engine.metrics
     profiler = app.state.profiler = Profiler(profile_dir)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_, exc: RequestValidationError):
+    async def _invalid(request: Request, exc: RequestValidationError):
         msg, param = _validation_message(exc)
-        return error(400, msg, param)
+        return error_for(request.url.path, 400, msg, param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_, exc: StarletteHTTPException):
-        return error(exc.status_code, str(exc.detail))
+    async def _http(request: Request, exc: StarletteHTTPException):
+        return error_for(request.url.path, exc.status_code, str(exc.detail))
 
     @app.exception_handler(Exception)
-    async def _internal(_, exc: Exception):  # a bug: say so, keep serving
+    async def _internal(request: Request, exc: Exception):  # a bug: say so, keep serving
         log.exception("internal error")
-        return error(500, f"internal error: {exc!r}")
+        return error_for(request.url.path, 500, f"internal error: {exc!r}")
 
     @app.get("/health")
     async def health():
@@ -199,21 +260,26 @@ def build_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len:
         return {"status": "stopped", **trace.describe()}
 
     async def run(request: Request, body, handler):
+        def fail(status: int, message: str, param: str | None = None) -> JSONResponse:
+            return error_for(request.url.path, status, message, param)
+
         if body.model is not None and body.model != model_name:
-            return error(404, f"model {body.model!r} does not exist; this server serves {model_name!r}", "model")
+            return fail(404, f"model {body.model!r} does not exist; this server serves {model_name!r}", "model")
         if ignored := body.ignored_fields():
             log.warning("ignoring unknown request fields %s", ignored)
         if msg := body.unsupported():
-            return error(400, msg, msg.split(":")[0])
+            return fail(400, msg, msg.split(":")[0])
         session = request.headers.get("x-session-id")
         try:
             result = await handler(body, ctx, session)
         except ValueError as e:
-            return error(400, str(e))
+            return fail(400, str(e))
+        except NotFound as e:
+            return fail(404, str(e), e.param)
         except QueueFull as e:
-            return error(503, f"{e}; retry later")
+            return fail(503, f"{e}; retry later")
         except EngineDead as e:
-            return error(503, str(e))
+            return fail(503, str(e))
         if isinstance(result, dict):
             return result
         return StreamingResponse(_guard(result, request), media_type="text/event-stream")
@@ -225,6 +291,40 @@ def build_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len:
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
         return await _until_disconnect(request, run(request, body, completion))
+
+    @app.post("/v1/responses")
+    async def responses(request: Request, body: ResponsesRequest):
+        return await _until_disconnect(request, run(request, body, create_response))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        try:
+            return stored_response(ctx, response_id)
+        except NotFound as e:
+            return error(404, str(e), e.param)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def remove_response(response_id: str):
+        try:
+            return delete_response(ctx, response_id)
+        except NotFound as e:
+            return error(404, str(e), e.param)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request, body: MessagesRequest):
+        return await _until_disconnect(request, run(request, body, create_message))
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(request: Request, body: CountTokensRequest):
+        return await run(request, body, count_tokens)
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request, body: TokenizeRequest):
+        return await run(request, body, tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request, body: DetokenizeRequest):
+        return await run(request, body, detokenize)
 
     return app
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from serving.bench import serve
 from serving.bench.agentic_runner import PointSpec, run_point
 from serving.bench.agentic_workload import SCALES, AgenticConfig
-from serving.bench.side_by_side import free_port, server_process
+from serving.bench.server_process import free_port, server_process
 
 # Runtime flags of tests/serving/test_server.py: a server started with them loads its compiled steps
 # from a warm cache instead of compiling (minutes on a CPU).

@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     a.batches = sorted({int(x) for x in a.batches.split(",") if x})
     import dsv41
-    from serving.runtime.runner import enable_compilation_cache
+    from serving.runtime.compiler import enable_compilation_cache
 
     enable_compilation_cache(a.compilation_cache_dir or None)
     model = (dsv41.random_model(a.model, dtype=a.dtype) if a.model in dsv41.PRESETS

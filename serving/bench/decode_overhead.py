@@ -25,9 +25,7 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,9 +33,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from serving.bench.server_process import REPO_ROOT, free_port, server_process
 from serving.runtime.host_memory import keep_freed_memory_or_say
 
-ROOT = Path(__file__).resolve().parents[2]
+STARTUP_TIMEOUT_S = 1800.0  # the server compiles its steps before /health answers
 
 
 def _engine_args(args):
@@ -52,13 +51,14 @@ def _engine_args(args):
 
 def bare_runner(args):
     import dsv41
-    from serving.runtime.runner import Runner, enable_compilation_cache
+    from serving.runtime.compiler import enable_compilation_cache
+    from serving.runtime.runner import Runner
 
     enable_compilation_cache(args.compilation_cache_dir)
     model = (dsv41.random_model(args.model, dtype=args.dtype) if args.model in dsv41.PRESETS
              else dsv41.load(args.model, dtype=args.dtype))
     r = Runner(model, _engine_args(args).runtime, progress=False)
-    r.precompile()
+    r.compiler.precompile()
     return r
 
 
@@ -86,9 +86,7 @@ async def _stream(client, url, prompt, steps, log):
 @contextlib.contextmanager
 def server(args):
     """The server with the same engine configuration, ready; yields its URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, "-m", "serving.server", "--port", str(port), "--disable-access-log", "--log-level",
            "warning", "--compilation-cache-dir", args.compilation_cache_dir, "--dtype", args.dtype,
            "--no-background-compile",  # measured steps must not share the CPU with the other buckets' compiles
@@ -97,21 +95,9 @@ def server(args):
         cmd += ["--model", args.model]
     if args.profile_dir:
         cmd += ["--profile-dir", str(Path(args.profile_dir).absolute())]  # the server runs in another folder
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.returncode}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    with server_process(cmd, port, None, STARTUP_TIMEOUT_S, env) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 def served(args, url: str, round_: int, profile: bool) -> dict:

@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from serving.bench.dp_router import emit, stickiness
+from serving.bench.dp_router import emit, routing_result
 
 
 def run(model, args, a: argparse.Namespace) -> dict:
@@ -69,8 +69,8 @@ def run(model, args, a: argparse.Namespace) -> dict:
                         history[s] = history[s] + out[o.request_id] + tokens(a.message_min, a.message_max)
                         submit(s)
         wall = time.perf_counter() - t0
-    return {"policy": args.scheduler.dp_routing_policy, "prefix_hit_rate": cached_tokens / prompt_tokens, **stickiness(ranks.values()),
-            "sticky_moves_when_saturated": engine.scheduler.router.moved, "prompt_tokens": prompt_tokens,
+    return {**routing_result(args.scheduler.dp_routing_policy, cached_tokens, prompt_tokens, ranks.values(),
+                             engine.scheduler.router.moved), "prompt_tokens": prompt_tokens,
             "cached_tokens": cached_tokens, "output_tokens": generated, "output_tok_per_s": generated / wall,
             "wall_s": wall, "requests_per_rank": [sum(r.count(k) for r in ranks.values())
                                                   for k in range(engine.runner.ranks)]}
@@ -105,7 +105,7 @@ def main() -> None:
     args.parallel.use_cpu_devices()
     import dsv41
     from serving.engine.dp_router import POLICIES
-    from serving.runtime.runner import enable_compilation_cache
+    from serving.runtime.compiler import enable_compilation_cache
 
     cache_dir = tempfile.TemporaryDirectory(prefix="dp-engine-xla-")  # removed when main returns
     enable_compilation_cache(cache_dir.name)  # the second engine loads the first's steps

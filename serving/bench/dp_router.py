@@ -74,16 +74,19 @@ def simulate(policy: str, *, ranks: int, sessions: int, turns: int, seed: int = 
         answer = [int(x) for x in rng.integers(0, 50_000, int(rng.integers(20, 200)))]
         history[s] = prompt + answer
         heapq.heappush(events, (t + 1.0 + len(prompt) / 2000 + len(answer) / 50, 0, s, turn, rank))
-    return {"policy": policy, "prefix_hit_rate": hit_tokens / prompt_tokens, **stickiness(placed.values()),
-            "sticky_moves_when_saturated": router.moved}
+    return routing_result(policy, hit_tokens, prompt_tokens, placed.values(), router.moved)
 
 
-def stickiness(ranks_per_session) -> dict:
-    """From each session's ranks, turn by turn: the mean share of a session's turns on its most used rank,
-    and the share of sessions with >= 95% of their turns on one rank."""
+def routing_result(policy: str, cached_tokens: int, prompt_tokens: int, ranks_per_session, moved: int) -> dict:
+    """What both routing benchmarks (this simulation, `dp_engine` through the engine) report of a policy: the
+    prefix-hit rate (cached / prompt tokens), session stickiness from each session's ranks turn by turn (the mean
+    share of a session's turns on its most used rank, the share of sessions with >= 95% of their turns on one
+    rank) and the router's moves off saturated ranks."""
     stick = np.array([Counter(r).most_common(1)[0][1] / len(r) for r in ranks_per_session])
-    return {"mean_session_stickiness": float(stick.mean()),
-            "sessions_with_95pct_turns_on_one_rank": float(np.mean(stick >= 0.95))}
+    return {"policy": policy, "prefix_hit_rate": cached_tokens / prompt_tokens,
+            "mean_session_stickiness": float(stick.mean()),
+            "sessions_with_95pct_turns_on_one_rank": float(np.mean(stick >= 0.95)),
+            "sticky_moves_when_saturated": moved}
 
 
 def emit(result: dict, out: str | None) -> None:

@@ -70,7 +70,7 @@ class _Decoder:
 
     def __init__(self, model: dsv41.Model, rc: RuntimeConfig, batch: int, context: int, seed: int):
         self.runner = Runner(model, rc, progress=False)
-        self.runner.precompile()
+        self.runner.compiler.precompile()
         rng = np.random.default_rng(seed)
         self.vocab, self.rng = model.config.vocab_size, rng
         self.seqs = [[int(t) for t in rng.integers(3, self.vocab, context)] for _ in range(batch)]

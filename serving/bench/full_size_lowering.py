@@ -2,7 +2,7 @@
 
     python -m serving.bench.sharding_report --lower --preset v41-flash -tp 4 [--prefill-tokens 8192] [--decode-batch 64]
 
-The parameters are ShapeDtypeStructs in the release formats (`sharding_report.model_params`) carrying the
+The parameters are ShapeDtypeStructs in the release formats (`layout_memory.model_params`) carrying the
 rules table's NamedShardings on a `jax.sharding.AbstractMesh`; the KV cache, the carried rows and the batches
 are ShapeDtypeStructs too (`AbstractPlacement` stands in for `MeshPlacement`, whose arrays it only
 describes). A `Runner` is built over them, so its segment functions are the served ones (per-rank
@@ -20,9 +20,7 @@ gathered rows (`EngramRows`), not the tables.
 
 from __future__ import annotations
 
-import re
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 
 import jax
@@ -35,8 +33,10 @@ from dsv41.api import abstract_params
 from dsv41.config import ModelConfig, load_config
 from dsv41.layers.engram import EngramLayout, EngramRows
 from dsv41.model import Transformer
-from serving.bench.sharding_report import abstract_mesh
+from serving.bench.hlo_text import merged, stablehlo_collectives
+from serving.bench.layout_memory import abstract_mesh
 from serving.runtime.config import RuntimeConfig
+from serving.runtime.programs import Program
 from serving.runtime.runner import Runner
 from sharding import rules
 from sharding.expert_dispatch import ExpertDispatch
@@ -44,24 +44,13 @@ from sharding.mesh import ParallelConfig, make_mesh
 from sharding.model import decode_unsplittable_experts, install_dispatch
 from sharding.runtime import MeshPlacement
 
-_SHLO_OP = re.compile(r"stablehlo\.(all_reduce|all_gather|reduce_scatter|all_to_all|collective_permute)\b")
-_FUNC = re.compile(r"func\.func (?:public |private )?@([\w.$-]+)\(")
-_CALL = re.compile(r"call @([\w.$-]+)\(")
-_TENSOR = re.compile(r"tensor<((?:\d+x)*)([a-z]+[0-9a-zA-Z]*)>")
-_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "ui32": 4, "i8": 1, "ui8": 1, "i1": 1, "i64": 8, "f64": 8,
-          "f8E4M3FN": 1}
-
 
 @dataclass(frozen=True)
 class AbstractPlacement(MeshPlacement):
     """A MeshPlacement whose arrays are ShapeDtypeStructs on their shardings (for tracing, never run)."""
 
     def zeros(self, rank_shapes, *, cache: bool = False):
-        shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct((self.ranks * s.shape[0], *s.shape[1:]), s.dtype),
-                              rank_shapes)
-        shardings = (rules.cache_shardings(self.mesh, shapes) if cache
-                     else jax.tree.map(lambda s: self.rows_sharding(len(s.shape)), shapes))
-        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+        return self.global_specs(rank_shapes, cache=cache)
 
     def put_batch(self, batch):
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype,
@@ -113,47 +102,6 @@ class _AbstractEngramTables:
         return EngramRows(np.zeros((*shape, self.head_dim), np.uint8), np.zeros((*shape, self.head_dim // 32), np.uint8))
 
 
-def _tensor_bytes(types: str) -> int:
-    return sum(_BYTES.get(dt, 4) * int(np.prod([int(d) for d in dims.split("x") if d] or [1]))
-               for dims, dt in _TENSOR.findall(types))
-
-
-def stablehlo_collectives(text: str) -> dict[str, dict[str, int]]:
-    """{op: {count, bytes}} of the explicit collectives in StableHLO text (result tensor types, per device),
-    each function's counted as many times as it is called from @main."""
-    direct: dict[str, list[tuple[str, int]]] = defaultdict(list)
-    calls: dict[str, list[str]] = defaultdict(list)
-    fn, pending = "", None
-    for line in text.splitlines():
-        if m := _FUNC.search(line):
-            fn = m.group(1)
-            continue
-        if m := _SHLO_OP.search(line):
-            if line.rstrip().endswith("({"):  # a reduction region: the types close it
-                pending = m.group(1)
-            else:
-                direct[fn].append((m.group(1), _tensor_bytes(line.rsplit("->", 1)[-1])))
-        elif pending and line.lstrip().startswith("})"):
-            direct[fn].append((pending, _tensor_bytes(line.rsplit("->", 1)[-1])))
-            pending = None
-        for callee in _CALL.findall(line):
-            calls[fn].append(callee)
-
-    out: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
-
-    def visit(f: str, times: int, depth: int = 0) -> None:
-        if depth > 64:
-            raise ValueError(f"call depth over 64 at @{f}")
-        for op, nbytes in direct.get(f, ()):
-            out[op]["count"] += times
-            out[op]["bytes"] += times * nbytes
-        for callee in calls.get(f, ()):
-            visit(callee, times, depth + 1)
-
-    visit("main", 1)
-    return dict(out)
-
-
 def build_runner(preset: str, pc: ParallelConfig, *, weights: str = "release", prefill_tokens: int = 8192,
                  decode_batch: int = 64, max_model_len: int = 131072, block_size: int = 256,
                  mesh=None) -> Runner:
@@ -169,14 +117,12 @@ def build_runner(preset: str, pc: ParallelConfig, *, weights: str = "release", p
     return Runner(AbstractModel(c, mesh, weights), rc, progress=False, placement=AbstractPlacement(mesh))
 
 
-def lower_bucket(runner: Runner, segment: str, tokens: int, platform: str = "cuda"):
-    """(lowered, seconds) of one segment bucket (`segment` "seg1" or "seg2", `tokens` rows per dp rank)."""
-    b = runner._example(tokens, tokens)
-    batch = runner._put_step(b.segment1() if segment == "seg1" else b.segment2())
+def lower_bucket(runner: Runner, segment: Program, tokens: int, platform: str = "cuda"):
+    """(lowered, seconds) of one segment bucket (`segment` SEGMENT1 or SEGMENT2, `tokens` rows per dp rank)."""
+    key = segment.at(tokens)
+    args = runner.compiler.example_args(key)  # what the runner compiles (segment 1 with async scheduling's tokens)
     t = time.perf_counter()
-    prev = runner._prev_arg() if segment == "seg1" else ()  # the program the runner compiles (async scheduling)
-    lowered = runner._fns[segment].trace(runner.param_leaves, runner.cache, runner.carry_buf, batch, *prev).lower(
-        lowering_platforms=(platform,))
+    lowered = runner.compiler.programs.of(key).trace(*args).lower(lowering_platforms=(platform,))
     return lowered, time.perf_counter() - t
 
 
@@ -201,8 +147,8 @@ def report(preset: str, pc: ParallelConfig, *, weights: str = "release", prefill
            "runner_setup_s": round(time.perf_counter() - t, 1), "steps": {}}
     for name, tokens in (("decode", decode_batch), ("prefill", prefill_tokens)):
         step = {"tokens_per_dp_rank": tokens, "lower_s": 0.0, "stablehlo_chars": 0}
-        ops: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
-        for seg in ("seg1", "seg2"):
+        segments = []
+        for seg in (Program.SEGMENT1, Program.SEGMENT2):
             lowered, seconds = lower_bucket(runner, seg, tokens, platform)
             text = lowered.as_text()
             step["lower_s"] = round(step["lower_s"] + seconds, 1)
@@ -210,11 +156,10 @@ def report(preset: str, pc: ParallelConfig, *, weights: str = "release", prefill
             if compile:
                 t = time.perf_counter()
                 lowered.compile()
-                step.setdefault("compile_s", {})[seg] = round(time.perf_counter() - t, 1)
-            for op, v in stablehlo_collectives(text).items():
-                ops[op]["count"] += v["count"]
-                ops[op]["bytes"] += v["bytes"]
-        step["explicit_collectives"] = dict(ops)
+                step.setdefault("compile_s", {})[seg.value] = round(time.perf_counter() - t, 1)
+            segments.append(stablehlo_collectives(text))
+        ops = merged(segments)
+        step["explicit_collectives"] = ops
         step["explicit_collective_bytes"] = sum(v["bytes"] for v in ops.values())
         out["steps"][name] = step
     return out

@@ -32,7 +32,7 @@ from flax import nnx
 import dsv41
 from dsv41.block import Streams, attention_input, ffn_and_output
 from dsv41.layers.rope import inv_freq, rope_angles
-from serving.bench.sharding_report import hlo_array_bytes
+from serving.bench.hlo_text import hlo_array_bytes
 from serving.runtime.host_memory import keep_freed_memory_or_say
 
 VARIANTS = ("unrolled", "scanned", "per-layer")

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dsv41.config import load_config
-from serving.bench.sharding_report import kv_bytes_per_request, memory_report
+from serving.bench.layout_memory import kv_bytes_per_request, memory_report
 from serving.runtime.kv_cache import CacheLayout
 from sharding.mesh import ParallelConfig
 

@@ -29,8 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-from serving.bench import serve, side_by_side
+from serving.bench import side_by_side
 from serving.bench.roofline import decode_weight_bytes, matmul_rate, prefill_flops, weight_read_rate
+from serving.bench.server_process import free_port, server_process
 
 # ../shared/peer/README.md, "vLLM" section: an AVX-512 machine, both cores to the worker (start_vllm.sh default)
 RECORDED_VLLM = {1: {"output_throughput": "57-62", "median_ttft_ms": "200-300", "median_tpot_ms": "13-15"},
@@ -74,37 +75,33 @@ def machine_rates(dtype: str) -> dict:
 
 
 def run_ours(args, conc: list[int], token_ids: str) -> dict:
-    port = side_by_side.free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "serving.server", "--model", str(args.model), "--served-model-name", "bench-model",
            "--port", str(port), "--max-num-seqs", str(max(conc)), "--dtype", args.dtype, "--no-background-compile",
            "--max-model-len", str(-(-(args.input_len + args.output_len) // 256) * 256 + 256),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens), *args.server_arg]
-    t0 = time.perf_counter()
-    with side_by_side.server_process(cmd, port, args.log_dir / f"ours-{port}.log", args.startup_timeout) as url:
-        ready = time.perf_counter() - t0
-        out = {c: _client(args, url, "bench-model", c, token_ids, "ours") for c in conc}
-    return {"ready_s": ready, "runs": out}
+    return _measure_server(args, "ours", cmd, port, conc, token_ids)
 
 
 def run_vllm(args, conc: list[int], token_ids: str) -> dict:
-    port = side_by_side.free_port()
+    port = free_port()
     env = {**os.environ, "TRITON_INTERPRET": "1", "VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_CPU_KVCACHE_SPACE": "4",
            "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.model),
            "--served-model-name", "bench-model", "--host", "127.0.0.1", "--port", str(port),
            "--max-model-len", str(VLLM_MAX_MODEL_LEN), "--dtype", "bfloat16"]
+    return _measure_server(args, "vllm", cmd, port, conc, token_ids, env)
+
+
+def _measure_server(args, who: str, cmd: list[str], port: int, conc: list[int], token_ids: str,
+                    env: dict | None = None) -> dict:
+    """{"ready_s": start to /health, "runs": {c: the client's summary at concurrency c}} of one server."""
     t0 = time.perf_counter()
-    with side_by_side.server_process(cmd, port, args.log_dir / f"vllm-{port}.log", args.startup_timeout, env) as url:
+    with server_process(cmd, port, args.log_dir / f"{who}-{port}.log", args.startup_timeout, env) as url:
         ready = time.perf_counter() - t0
-        out = {c: _client(args, url, "bench-model", c, token_ids, "vllm") for c in conc}
-    return {"ready_s": ready, "runs": out}
-
-
-def _client(args, url: str, model: str, c: int, token_ids: str, who: str) -> dict:
-    flags = ["--base-url", url, "--model", model, "--max-concurrency", str(c), "--ignore-eos",
-             "--num-warmups", str(args.num_warmups), "--output-json", str(args.log_dir / f"{who}-c{c}.json"),
-             *side_by_side.workload_flags(_at(args, c), token_ids)]
-    return serve.run(serve.parse_args(flags))["summary"]
+        runs = {c: side_by_side.run_client(url, "bench-model", _at(args, c), token_ids,
+                                           args.log_dir / f"{who}-c{c}.json")["summary"] for c in conc}
+    return {"ready_s": ready, "runs": runs}
 
 
 def _at(args, c: int, **changes) -> argparse.Namespace:

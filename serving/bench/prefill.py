@@ -35,7 +35,9 @@ from serving.runtime.batch import SeqChunk
 from serving.runtime.config import RuntimeConfig
 from serving.runtime.kv_cache import FORMATS
 from serving.runtime.host_memory import keep_freed_memory_or_say
-from serving.runtime.runner import Runner, enable_compilation_cache
+from serving.runtime.compiler import enable_compilation_cache
+from serving.runtime.runner import Runner
+from serving.runtime.programs import BucketKey, Program
 
 
 def _chunk(r: Runner, slot: int, tokens: list[int], start: int, end: int, trim: bool) -> SeqChunk:
@@ -56,17 +58,17 @@ def _runner(model, args, lengths, bounded: bool) -> Runner:
     return Runner(model, rc, progress=not args.quiet)
 
 
-def _keys(r: Runner, lengths, args, decodes: bool) -> list[tuple]:
+def _keys(r: Runner, lengths, args, decodes: bool) -> list[BucketKey]:
     """The buckets the runner's prefills (and, for the runner that `decodes`, the decode steps and their context's
     prefills) run: nothing else is compiled."""
     keys = set()
     for L in list(lengths) + ([args.decode_context] if decodes else []):
         K = r.buckets.token_bucket(min(L, _decoder_rows(r) or L))
-        keys |= {("seg1", L), ("seg2", K), ("sample", r.buckets.requests(K))}
+        keys |= {Program.SEGMENT1.at(L), Program.SEGMENT2.at(K), Program.SAMPLE.at(r.buckets.requests(K))}
     for B in args.decode_batches if decodes else []:
         T = r.buckets.token_bucket(B)
-        keys |= {("seg1", T), ("seg2", T), ("sample", r.buckets.requests(T))}
-    return sorted(keys)
+        keys |= {Program.SEGMENT1.at(T), Program.SEGMENT2.at(T), Program.SAMPLE.at(r.buckets.requests(T))}
+    return sorted(keys, key=lambda k: (k.program.value, k.size))
 
 
 def prefill_run(r: Runner, L: int, bounded: bool, vocab: int) -> Callable[[int], float]:
@@ -175,7 +177,7 @@ def main(argv=None) -> int:
     for bounded in (False, True):
         mode = "replay_on" if bounded else "replay_off"
         runners[mode] = r = _runner(model, args, lengths, bounded)
-        result["compile_seconds"][mode] = round(r.precompile(_keys(r, lengths, args, decodes=bounded)), 1)
+        result["compile_seconds"][mode] = round(r.compiler.precompile(_keys(r, lengths, args, decodes=bounded)), 1)
     for L in lengths:
         runs = {mode: prefill_run(r, L, mode == "replay_on", vocab) for mode, r in runners.items()}
         for mode, (times, rates) in alternate(runs, args.repeats, matmul).items():

@@ -44,7 +44,8 @@ import dsv41
 from serving.runtime.batch import SeqChunk
 from serving.runtime.config import RuntimeConfig
 from serving.runtime.encoder_replay import PrefixPlan, plan_prefix_hit
-from serving.runtime.runner import Runner, enable_compilation_cache
+from serving.runtime.compiler import enable_compilation_cache
+from serving.runtime.runner import Runner
 from serving.runtime.sampling_params import SamplingParams
 
 WITHIN_SE = 1.5  # the seeds' claim: accuracy gaps of bounded replay within about 1.5 standard errors
@@ -103,7 +104,7 @@ class ReplayStudy:
         rc = RuntimeConfig(max_num_seqs=slots, max_num_batched_tokens=chunk, max_model_len=max_len,
                            block_size=block_size, token_buckets=buckets)
         self.runner = Runner(model, rc, progress=progress)
-        self.compile_seconds = self.runner.precompile()
+        self.compile_seconds = self.runner.compiler.precompile()
 
     def _table(self, slot: int, hit: int) -> list[int]:
         """The slot's own blocks, the first hit / block_size of them replaced by the donor's (slot 0)."""

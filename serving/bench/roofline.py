@@ -108,8 +108,9 @@ def weight_read_rate(n_bytes: int | None = None, reps: int = 10) -> float:
     return statistics.median(probe() for _ in range(reps))
 
 
-def _is_engram_table(path: tuple) -> bool:
-    """An Engram layer's hashed table (its weight or scale rows): gathered a few rows per token, never read whole."""
+def is_engram_table(path: tuple) -> bool:
+    """An Engram layer's hashed table (`layers.N.engram.embed.{weight,scale}`): gathered a few rows per token, never
+    read whole; host-resident in serving (`layout_memory` leaves it out of the device's bytes)."""
     return len(path) >= 4 and path[0] == "layers" and path[2:4] == ("engram", "embed")
 
 
@@ -126,7 +127,7 @@ def prefill_flops(config, n: int, decoder_rows: int | None = None) -> float:
     E, k = config.n_routed_experts, config.num_experts_per_tok
     active = [0.0] * config.num_hidden_layers  # per layer
     for path, a in shapes.items():
-        if path[0] != "layers" or _is_engram_table(path):
+        if path[0] != "layers" or is_engram_table(path):
             continue
         size = float(a.size)
         active[path[1]] += size * k / E if "experts" in path else size  # routed; shared ones are "shared_experts"
@@ -160,7 +161,7 @@ def decode_weight_bytes(model, batch: int) -> float:
             continue
         if path == ("embed", "weight"):
             total += batch * a.nbytes / a.shape[0]
-        elif _is_engram_table(path):
+        elif is_engram_table(path):
             total += min(a.nbytes, batch * c.engram_hash_cols * a.nbytes / a.shape[0])
         elif str(path[-1]) in _EXPERT_LEAVES:
             E, k = a.shape[0], c.num_experts_per_tok

@@ -29,133 +29,19 @@ dispatch compiles with one capacity bucket (the worst case) so each collective i
 from __future__ import annotations
 
 import argparse
-import functools
 import json
-import re
-from collections import defaultdict
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-from jax.sharding import AbstractMesh, AxisType
 
-from dsv41 import checkpoint
-from dsv41.api import abstract_params
-from dsv41.config import ModelConfig, load_config
-from serving.runtime.kv_cache import FORMATS, CacheLayout, smallest_block_size
-from sharding import rules
-from sharding.mesh import MESH_AXES, ParallelConfig
-
-WEIGHTS = ("release", "dequantized")
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1, "s64": 8,
-                "f64": 8, "f8e4m3fn": 1}
-_OP = re.compile(r"=\s*(\(.*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+(" + "|".join(COLLECTIVES) +
-                 r")(?:-start)?\(")
-
-
-def _shard_factor(mesh, spec) -> int:
-    n = 1
-    for axes in spec:
-        for a in (axes if isinstance(axes, tuple) else (axes,) if axes else ()):
-            n *= mesh.shape[a]
-    return n
-
-
-def abstract_mesh(pc: ParallelConfig) -> AbstractMesh:
-    f = pc.factors()
-    return AbstractMesh(tuple(f[a] for a in MESH_AXES), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
-
-
-@functools.lru_cache(maxsize=8)
-def model_params(preset: str, weights: str = "release", dtype: str = "bfloat16"
-                 ) -> dict[tuple, jax.ShapeDtypeStruct]:
-    """{path: ShapeDtypeStruct} of every parameter as it sits in memory: `weights="release"` keeps the release
-    checkpoint's formats (`checkpoint.release_formats`), "dequantized" decodes every linear to `dtype`. Engram
-    tables are FP8 rows + UE8M0 scales either way (that is how a release checkpoint loads them)."""
-    if weights not in WEIGHTS:
-        raise ValueError(f"weights {weights!r}: choose one of {WEIGHTS}")
-    c = load_config(preset)
-    engram_fp8 = bool(c.engram_layer_ids)
-    _, dense = abstract_params(c, jnp.dtype(dtype), engram_fp8)
-    if weights == "dequantized":
-        return dense
-    _, release = abstract_params(c, jnp.dtype(dtype), engram_fp8, checkpoint.release_formats(c, list(dense)))
-    return release
-
-
-def is_engram_table(path: tuple) -> bool:
-    """`layers.N.engram.embed.{weight,scale}`: host-resident in serving."""
-    return len(path) >= 3 and tuple(path[-3:-1]) == ("engram", "embed")
-
-
-def engram_staging_bytes(c: ModelConfig, max_num_batched_tokens: int) -> int:
-    """Device bytes of the double-buffered staging of the Engram rows one step gathers (per dp rank's batch)."""
-    if not c.engram_layer_ids:
-        return 0
-    hd = c.engram_head_dim
-    return 2 * max_num_batched_tokens * len(c.engram_layer_ids) * c.engram_hash_cols * (hd + hd // 32)
-
-
-def kv_bytes_per_request(layout: CacheLayout, max_model_len: int) -> int:
-    """One request's KV at max_model_len tokens: whole blocks of global KV + index keys, plus its slot (SWA
-    rings of every layer, ratio-2 compressor tails)."""
-    return -(-max_model_len // layout.block_size) * layout.bytes_per_block() + layout.bytes_per_slot()
-
-
-def memory_report(preset: str, pc: ParallelConfig, *, weights: str = "release", dtype: str = "bfloat16",
-                  kv_format: str = "release", block_size: int = 256, max_num_batched_tokens: int = 8192,
-                  max_model_len: int | None = None, num_requests: int | None = None) -> dict:
-    """Bytes per device of a layout (nothing allocated). With max_model_len and num_requests (over the whole
-    layout, spread evenly over the dp ranks): the KV bytes per device of that many full-length requests."""
-    c = load_config(preset)
-    pc.check_model(c)
-    mesh = abstract_mesh(pc)
-    params = model_params(preset, weights, dtype)
-    total = per_device = engram = 0
-    for path, s in params.items():
-        nbytes = int(np.prod(s.shape)) * s.dtype.itemsize
-        if is_engram_table(path):
-            engram += nbytes
-            continue
-        total += nbytes
-        per_device += nbytes // _shard_factor(mesh, rules.to_spec(mesh, rules.param_logical(path), s.shape))
-    layout = CacheLayout(c, pc.data_parallel_size, block_size, pc.data_parallel_size, kv_format, dtype)
-    replication = pc.tensor_parallel_size  # rows are replicated over tp, split over dp
-    out = {"preset": preset, "layout": pc.describe(), "weights": weights, "param_dtype": dtype,
-           "param_bytes_total": total, "param_bytes_per_device": per_device,
-           "engram_table_bytes_per_host": engram,
-           "engram_staging_bytes_per_device": engram_staging_bytes(c, max_num_batched_tokens),
-           "max_num_batched_tokens": max_num_batched_tokens,
-           "kv_format": kv_format, "block_size": block_size,
-           "kv_global_bytes_per_token": layout.bytes_per_block() / block_size,
-           "kv_swa_and_tail_bytes_per_request": layout.bytes_per_slot(),
-           "kv_copies_per_token": replication,
-           "kv_note": (f"a cached token's KV lives on the {replication} tp rank(s) of its request's dp rank: "
-                       f"the single latent is replicated over tp (x{replication} memory per token)"),
-           "replicated_fallbacks": rules.fallbacks(mesh, {p: s.shape for p, s in params.items()})}
-    if max_model_len is not None and num_requests is not None:
-        per_rank = -(-num_requests // pc.data_parallel_size)
-        out.update(max_model_len=max_model_len, num_requests=num_requests, requests_per_dp_rank=per_rank,
-                   kv_bytes_per_request=kv_bytes_per_request(layout, max_model_len),
-                   kv_bytes_per_device=per_rank * kv_bytes_per_request(layout, max_model_len))
-    return out
-
-
-def hlo_array_bytes(dtype: str, dims: str) -> int:
-    """Bytes of an HLO array `dtype[dims]` as the text writes it ("bf16", "16,256"; "" for a scalar)."""
-    return _DTYPE_BYTES.get(dtype, 4) * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-
-
-def collective_bytes(hlo_text: str) -> dict[str, dict[str, int]]:
-    """{op: {count, bytes}} of the collectives in a compiled HLO module (result shapes)."""
-    out: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
-    for m in _OP.finditer(hlo_text):
-        shape, op = m.groups()
-        nbytes = sum(hlo_array_bytes(dt, dims) for dt, dims in re.findall(r"([a-z0-9]+)\[([0-9,]*)\]", shape))
-        out[op]["count"] += 1
-        out[op]["bytes"] += nbytes
-    return dict(out)
+from serving.bench import full_size_lowering, memory_plan
+from serving.bench.hlo_text import collective_bytes, merged
+from serving.bench.layout_memory import WEIGHTS, memory_report
+from serving.runtime.config import RuntimeConfig
+from serving.runtime.kv_cache import FORMATS, smallest_block_size
+from serving.runtime.runner import Runner
+from serving.runtime.programs import Program
+from sharding.mesh import ParallelConfig
+from sharding.runtime import MeshPlacement
 
 
 def prefill_collectives(sm, tokens: int) -> dict[str, dict[str, int]]:
@@ -166,21 +52,15 @@ def prefill_collectives(sm, tokens: int) -> dict[str, dict[str, int]]:
 def decode_collectives(sm, batch: int) -> dict[str, dict[str, int]]:
     """{op: {count, bytes}} of one decode step of `batch` requests per dp rank through the runtime's two
     segments (seg1 + seg2) of a `sharding.model.ShardedModel` on its mesh."""
-    from serving.runtime.config import RuntimeConfig
-    from serving.runtime.runner import Runner
-    from sharding.runtime import MeshPlacement
-
     block = smallest_block_size(sm.config)
     rc = RuntimeConfig(max_num_seqs=batch, max_num_batched_tokens=batch,  # per dp rank
                        max_model_len=4 * block, block_size=block, token_buckets=(batch,))
     runner = Runner(sm, rc, progress=False, placement=MeshPlacement(sm.mesh))
-    out: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
-    for key in (("seg1", batch), ("seg2", batch)):
-        runner.precompile([key])
-        for op, v in collective_bytes(runner.compiled_text(key)).items():
-            out[op]["count"] += v["count"]
-            out[op]["bytes"] += v["bytes"]
-    return dict(out)
+    segments = []
+    for key in (Program.SEGMENT1.at(batch), Program.SEGMENT2.at(batch)):
+        runner.compiler.precompile([key])
+        segments.append(collective_bytes(runner.compiler.compiled_text(key)))
+    return merged(segments)
 
 
 def hlo_report(preset: str, pc: ParallelConfig, *, prefill_tokens: int, decode_batch: int) -> dict:
@@ -235,16 +115,12 @@ def main() -> None:
     mem = {"weights": a.weights, "kv_format": a.kv_cache_dtype, "block_size": a.block_size,
            "max_num_batched_tokens": a.max_num_batched_tokens}
     if a.plan:
-        from serving.bench import memory_plan
-
         rows = memory_plan.plan(a.preset, reserve_fraction=a.reserve_fraction, **mem)
         print(memory_plan.markdown(rows, a.reserve_fraction))
         out = {"preset": a.preset, "reserve_fraction": a.reserve_fraction, "plan": rows}
     elif a.compile and not a.lower:
         ap.error("--compile goes with --lower")
     elif a.lower:
-        from serving.bench import full_size_lowering
-
         out = full_size_lowering.report(a.preset, pc, weights=a.weights, prefill_tokens=a.prefill_tokens,
                                         decode_batch=a.decode_batch, compile=a.compile)
         print(json.dumps(out, indent=1))

@@ -17,19 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
-from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
-
 from serving.bench import serve
+from serving.bench.server_process import free_port, server_process
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 HF_GENERATE = Path(__file__).with_name("hf_generate.py")
 
 
@@ -60,52 +54,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def server_process(cmd: list[str], port: int, log_path: Path, startup_timeout: float, env: dict | None = None):
-    """Start `cmd` in its own process group (environment `env`, default this process's), yield its base URL once
-    GET /health answers 200, and stop the whole group on exit (SIGTERM, then SIGKILL after 30 s)."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, start_new_session=True,
-                                env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + startup_timeout
-        while True:
-            if proc.poll() is not None:
-                tail = log_path.read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"server exited with code {proc.returncode} before /health answered; "
-                                   f"log {log_path}:\n{tail}")
-            try:
-                if httpx.get(url + "/health", timeout=2.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server not healthy after {startup_timeout:.0f} s; log {log_path}")
-            time.sleep(0.5)
-        yield url
-    finally:
-        _stop(proc)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)  # the group we created: the server and its own children
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
 def model_identity(folder: str) -> dict:
     """model_type / architectures / parameter count of a release or converted checkpoint folder."""
     import dsv41
@@ -134,14 +82,20 @@ def workload_flags(args: argparse.Namespace, token_ids: str) -> list[str]:
             str(args.output_len), "--token-id-range", token_ids, "--seed", str(args.seed)]
 
 
+def run_client(url: str, model: str, args: argparse.Namespace, token_ids: str, output_json: Path) -> dict:
+    """`serve.run` of the workload against a started server: `args.concurrency` lanes, forced output lengths,
+    `args.num_warmups` warm-up requests first; its JSON to `output_json`."""
+    flags = ["--base-url", url, "--model", model, "--max-concurrency", str(args.concurrency), "--ignore-eos",
+             "--num-warmups", str(args.num_warmups), "--output-json", str(output_json),
+             *workload_flags(args, token_ids)]
+    return serve.run(serve.parse_args(flags))
+
+
 def run_ours(args: argparse.Namespace, token_ids: str) -> dict:
     port = free_port()
     with server_process(server_command(args, port), port, args.log_dir / f"server-{port}.log",
                         args.startup_timeout) as url:
-        flags = ["--base-url", url, "--model", args.served_model_name, "--max-concurrency", str(args.concurrency),
-                 "--ignore-eos", "--num-warmups", str(args.num_warmups),
-                 "--output-json", str(args.log_dir / "ours.json"), *workload_flags(args, token_ids)]
-        return serve.run(serve.parse_args(flags))
+        return run_client(url, args.served_model_name, args, token_ids, args.log_dir / "ours.json")
 
 
 def run_hf(args: argparse.Namespace, token_ids: str) -> dict:

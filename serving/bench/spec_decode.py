@@ -8,7 +8,7 @@ throughput  decode tokens/s of the engine's step loop (scheduler, runner, detoke
             requests, speculation off and on (k = block), alternating, `--repeats` each, medians: tokens generated
             after every request had its first token, over the time from then to the last token.
 
-    python -m serving.bench.spec_decode [--dtype auto] [--json serving/bench/spec_decode.json]
+    python -m serving.bench.spec_decode [--dtype auto] [--json docs/benchmarks/spec_decode.json]
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     import dsv41
     from dsv41 import nano
-    from serving.runtime.runner import enable_compilation_cache
+    from serving.runtime.compiler import enable_compilation_cache
     from serving.text.tokenizer import Tokenizer
 
     enable_compilation_cache(args.compilation_cache_dir)

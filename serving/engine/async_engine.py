@@ -1,6 +1,7 @@
 """The engine loop for the server: `Engine.step` runs in one dedicated thread (the device work releases the
-GIL, so the event loop keeps serving HTTP meanwhile); requests and aborts reach it through a command queue,
-drained before every step, and each step's outputs go back to the event loop in one callback.
+GIL, so the event loop keeps serving HTTP meanwhile); requests and aborts reach it as typed commands
+(`AddRequest`, `Abort`) through a queue drained before every step, and each step's outputs go back to the event
+loop in one callback.
 
 A client that stops listening (disconnect, cancelled task) aborts its request: `generate`'s `finally`
 queues the abort, and the engine frees the blocks before its next step.
@@ -13,6 +14,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from serving.engine.engine import Engine
 from serving.engine.request import RequestOutput
@@ -23,6 +25,30 @@ log = logging.getLogger("serving.engine")
 
 class EngineDead(RuntimeError):
     """The engine loop stopped after an internal error; the server reports unhealthy."""
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    """Queue a request (`Engine.add_request`); `accepted` is answered on the event loop: done, or the error
+    refusing it."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int
+    session_id: str | None
+    cache_salt: str | None
+    accepted: asyncio.Future
+
+
+@dataclass(frozen=True)
+class Abort:
+    """End a request wherever it is (`Engine.abort`); an unknown or ended one is ignored."""
+
+    request_id: str
+
+
+Command = AddRequest | Abort
 
 
 class AsyncEngine:
@@ -58,18 +84,19 @@ class AsyncEngine:
         accepted = self._loop.create_future()
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream.queue
-        self._submit(("add", request_id, prompt_ids, params, dict(priority=priority, session_id=session_id,
-                                                                   cache_salt=cache_salt), accepted))
+        self._submit(AddRequest(request_id, prompt_ids, params, priority, session_id, cache_salt, accepted))
         try:
             await accepted
         except BaseException:
             self._streams.pop(request_id, None)
             if not accepted.done() or accepted.cancelled():  # cancelled while waiting: it may get admitted
-                self._submit(("abort", request_id))
+                self._submit(Abort(request_id))
             raise
         return stream
 
-    def _submit(self, cmd: tuple) -> None:
+    def _submit(self, cmd: Command) -> None:
+        if not isinstance(cmd, Command):
+            raise TypeError(f"not an engine command: {cmd!r}")
         self._cmds.put(cmd)
         self._wake.set()
 
@@ -108,26 +135,26 @@ class AsyncEngine:
 
     def _drain(self) -> None:
         for cmd in self._queued():
-            if cmd[0] == "add":
-                _, rid, prompt, params, meta, fut = cmd
-                try:
-                    self.engine.add_request(rid, prompt, params, **meta)
-                except Exception as e:  # ValueError / QueueFull: the caller's answer
-                    self._loop.call_soon_threadsafe(_set_exception, fut, e)
-                else:
-                    self._loop.call_soon_threadsafe(_set_result, fut)
-            else:
-                out = self.engine.abort(cmd[1])
-                if out is not None:
-                    log.info("aborted %s", cmd[1])
+            match cmd:
+                case AddRequest():
+                    try:
+                        self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params, priority=cmd.priority,
+                                                session_id=cmd.session_id, cache_salt=cmd.cache_salt)
+                    except Exception as e:  # ValueError / QueueFull: the caller's answer
+                        self._loop.call_soon_threadsafe(_set_exception, cmd.accepted, e)
+                    else:
+                        self._loop.call_soon_threadsafe(_set_result, cmd.accepted)
+                case Abort():
+                    if self.engine.abort(cmd.request_id) is not None:
+                        log.info("aborted %s", cmd.request_id)
 
     def _fail_all(self, message: str) -> None:
         """Every stream gets an error output; requests not yet accepted get EngineDead."""
         outs = [RequestOutput(rid, [], "", True, "abort", error=message) for rid in list(self._streams)]
         self._loop.call_soon_threadsafe(self._deliver, outs)
         for cmd in self._queued():
-            if cmd[0] == "add":
-                self._loop.call_soon_threadsafe(_set_exception, cmd[-1], EngineDead(message))
+            if isinstance(cmd, AddRequest):
+                self._loop.call_soon_threadsafe(_set_exception, cmd.accepted, EngineDead(message))
 
 
 class RequestStream:
@@ -152,7 +179,7 @@ class RequestStream:
     def close(self) -> None:
         """Abort unless finished; idempotent. The engine frees the blocks before its next step."""
         if self.engine._streams.pop(self.request_id, None) is not None and not self.finished:
-            self.engine._submit(("abort", self.request_id))
+            self.engine._submit(Abort(self.request_id))
 
 
 def _set_result(fut: asyncio.Future) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dsv41.config import ModelConfig
 from serving.engine.dp_router import DPRouter, RouterConfig
-from serving.engine.request import Finish, Request
+from serving.engine.request import Finish, Request, StopString
 from serving.engine.scheduler import Scheduled, Scheduler, SchedulerConfig
 from serving.runtime.block_manager import BlockManager
 from serving.runtime.config import RuntimeConfig
@@ -41,7 +41,7 @@ class DataParallelScheduler:
         req.rank = rank
 
     def remove(self, req: Request) -> None:
-        """Take a request out (`Scheduler.remove`); a second removal of a finished request changes nothing."""
+        """Take a request out (`Scheduler.remove`, an abort); a request already finished changes nothing."""
         if req.finished:
             return
         self.ranks[req.rank].remove(req)
@@ -53,9 +53,14 @@ class DataParallelScheduler:
     def launched(self, sched: list[Scheduled]) -> list[bool]:
         return [self.ranks[s.request.rank].launched([s])[0] for s in sched]
 
-    def postprocess(self, s: Scheduled, tokens: int | list[int] | None, pending: bool | None = None
-                    ) -> Finish | None:
-        return self.ranks[s.request.rank].postprocess(s, tokens, pending)
+    def postprocess(self, s: Scheduled, tokens: int | list[int] | None, pending: bool | None = None,
+                    stop: StopString | None = None) -> Finish | None:
+        """`Scheduler.postprocess` on the request's rank; a finished request leaves the router's count there."""
+        rank = s.request.rank
+        finish = self.ranks[rank].postprocess(s, tokens, pending, stop)
+        if finish is not None:
+            self.router.finish(rank)
+        return finish
 
     def block_table(self, req: Request) -> list[int]:
         return self.ranks[req.rank].blocks.block_table(req.request_id)

@@ -1,22 +1,24 @@
 """The synchronous engine core: requests in, one step at a time, per-request deltas out.
 
 `step()` = scheduler decides the chunks -> the runner runs them (one call per segment, one device->host copy)
--> the scheduler registers the written blocks, appends the sampled tokens and decides token finishes -> the
-output handling turns the tokens into text (a stop string there finishes the request too) and logprobs.
+-> the scheduler registers the written blocks, appends the sampled tokens, decides the finishes and frees the
+finished requests (`Scheduler.postprocess`, the one place a request ends other than an abort) -> the output
+handling reports: text and logprobs of the appended tokens, under the scheduler's finish.
 The async server and the offline `LLM` both drive this class; only one thread may call it.
 
-The output handling of a step overlaps the next step: once a step's tokens are appended and its token-based
-finishes applied, the next step is scheduled and dispatched, and only then is the text made (vLLM overlaps the
-same work by detokenizing in another process). What a stop string (found in the text) finishes has one more row
-in the step already running; that row is dropped, and the blocks the request frees are only reused by steps after
-it (the device runs steps in order).
+The output handling of a step overlaps the next step: once a step's tokens are appended and its finishes applied,
+the next step is scheduled and dispatched, and only then is the text made (vLLM overlaps the same work by
+detokenizing in another process). A stop string is only known from text, so a request that has stop strings has
+its step's new tokens decoded before the scheduler's postprocess (`OutputState.find_stop`); the scheduler appends,
+cuts after the stop string and finishes once, and the reporting reuses that text.
 
 Async scheduling (`SchedulerConfig.async_scheduling`, vLLM's `--async-scheduling`) goes one step further: step
 n + 1 is scheduled and dispatched before step n is collected. Each request that samples in step n has one pending
 token (`Request.num_pending`); its row in step n + 1 reads that token from step n's sampled tokens on the device
 (`SeqChunk.pending_row`), so the host's scheduling, batch building and dispatch overlap the device's work. A length
-limit is known in advance (no row follows the last token); a token finish (EOS, a stop id) drops the row already
-dispatched, as a stop string does. Outputs are the same as step by step. V4.1's Engram hash ids of such a row are
+limit is known in advance (no row follows the last token); any other finish (EOS, a stop id, a stop string) drops
+the row already dispatched, and the blocks the request frees are only reused by steps after it (the device runs
+steps in order). Outputs are the same as step by step. V4.1's Engram hash ids of such a row are
 finished on the device from the host's look-back (`dsv41.layers.engram`). On a mesh every rank reads the replicated
 sampled tokens by global row. It needs no speculative decoding, EPLB or Engram tables in host memory (their rows are
 gathered by the host); elsewhere steps go one at a time.
@@ -41,7 +43,9 @@ from serving.engine.output import OutputState
 from serving.engine.request import Finish, Request, RequestOutput, TokenLogprob
 from serving.engine.scheduler import Scheduled
 from serving.runtime.batch import SeqChunk
-from serving.runtime.runner import LaunchedStep, Runner, StepOutput
+from serving.runtime.exe_cache import ExecutableCacheSettings
+from serving.runtime.outputs import LaunchedStep, SpeculativeStepOutput, StepOutput
+from serving.runtime.runner import Runner
 from serving.runtime.sampling_params import SamplingParams
 from sharding.model import ShardedModel
 from sharding.runtime import MeshPlacement
@@ -60,11 +64,13 @@ class _InFlight(NamedTuple):
 
 class Engine:
     def __init__(self, model: dsv41.Model, tokenizer=None, args: EngineArgs = EngineArgs(), *,
-                 model_name: str = "dsv41", progress: bool = True, background_compile: bool = False):
+                 model_name: str = "dsv41", progress: bool = True, background_compile: bool = False,
+                 executable_cache: ExecutableCacheSettings | None = None):
         """With `args.parallel` over more than one device the engine shards the model on that mesh
         (`sharding.model.ShardedModel`; the runner runs its segments per data-parallel rank in a `shard_map`): each
         rank has its own slots, blocks and batch, requests go to ranks by `dp_routing_policy`, and `args.eplb` may
-        balance the experts. `background_compile`: `Runner.precompile(background=True)` (the server's default)."""
+        balance the experts. `background_compile`: `StepCompiler.precompile(background=True)` (the server's default).
+        `executable_cache`: where the runner keeps its compiled programs."""
         placement = None
         if args.parallel.world_size > 1:
             model = ShardedModel(model, args.parallel)
@@ -74,8 +80,8 @@ class Engine:
         # before the runner: EPLB's first placement is part of the graph the runner compiles
         self.eplb = EngineEplb(model, args.eplb, self.metrics) if args.eplb.enable_eplb else None
         self.runner = Runner(model, args.runtime, progress=progress, placement=placement,
-                             expert_counts=args.eplb.enable_eplb)
-        self.runner.precompile(background=background_compile)
+                             expert_counts=args.eplb.enable_eplb, executable_cache=executable_cache)
+        self.runner.compiler.precompile(background=background_compile)
         self.spec = self.runner.spec
         if self.spec:
             self.metrics.add_spec_decode(self.spec.num_speculative_tokens)
@@ -146,7 +152,8 @@ class Engine:
         req = self.requests.get(request_id)
         if req is None:
             return None
-        out = self._finish(req, "abort", None, "")
+        self.scheduler.remove(req)  # the one end the scheduler does not decide
+        out = self._ended(req, Finish("abort", None), [], self._out[request_id].flush())
         self._settle()
         self._update_gauges()  # the engine may be idle now: no step would refresh them
         return out
@@ -178,8 +185,8 @@ class Engine:
             return outputs
 
     def _settle(self) -> None:
-        """With no request left, wait for the step in flight (its rows ended by stop strings or aborts) and drop it,
-        so an idle engine holds no device work."""
+        """With no request left, wait for the step in flight (its rows belong to ended requests) and drop it, so an
+        idle engine holds no device work."""
         if self._inflight is not None and not self.requests:
             self._collect(self._inflight)
             self._inflight = None
@@ -198,11 +205,13 @@ class Engine:
                                       prev=None if prev is None else prev.launched)
         return _InFlight(sched, launched, self.scheduler.launched(sched) if self.async_scheduling else None)
 
-    def _collect(self, step: _InFlight) -> tuple[StepOutput, list[int], list[Finish | None], float]:
-        """Wait for a step and do what the next one's scheduling needs: the tokens appended, the token-based
-        finishes decided and those requests' blocks and slots freed, the next drafts. A request that finished or
-        was aborted while the step ran (a stop string in the previous step's text) is skipped: its row is dropped.
-        Returns the step's outputs, each request's token count before the step and its finish."""
+    def _collect(self, step: _InFlight) -> tuple[StepOutput | SpeculativeStepOutput, list[int], list[Finish | None],
+                                                  float]:
+        """Wait for a step and do what the next one's scheduling needs: the scheduler's postprocess (tokens
+        appended, finishes decided, finished requests freed), given the stop strings found in the text of requests
+        that have them, and the next drafts. A request that ended while the step ran (with async scheduling: in the
+        previous step; or aborted) is skipped: its row is dropped. Returns the step's outputs, each request's token
+        count before the step and its finish."""
         out = self.runner.collect(step.launched)
         if self.eplb is not None:  # a rearrangement migrates the weights here, between two steps
             self.eplb.after_step(out.expert_counts, self.runner)
@@ -214,23 +223,21 @@ class Engine:
             finishes.append(None)
             if req.finished:
                 continue
-            finishes[-1] = self.scheduler.postprocess(s, self._emitted(s, out, i),
-                                                      None if step.pending is None else step.pending[i])
-            if finishes[-1] is not None:
-                self.scheduler.remove(req)  # before the next step is scheduled; the output follows
-            if s.sample and self.spec:
-                req.draft_ids = [int(t) for t in out.drafts[i][:self.spec.num_speculative_tokens]]
+            toks = self._emitted(s, out, i)
+            stop = self._out[req.request_id].find_stop(toks) if toks and req.params.stop else None
+            finishes[-1] = self.scheduler.postprocess(s, toks, None if step.pending is None else step.pending[i],
+                                                      stop)
         return out, before, finishes, now
 
-    def _outputs(self, sched: list[Scheduled], out: StepOutput, before: list[int], finishes: list[Finish | None],
-                 now: float) -> list[RequestOutput]:
-        """A collected step's per-request deltas: text, logprobs, stop strings, finishes."""
+    def _outputs(self, sched: list[Scheduled], out: StepOutput | SpeculativeStepOutput, before: list[int],
+                 finishes: list[Finish | None], now: float) -> list[RequestOutput]:
+        """A collected step's per-request deltas: text, logprobs, finishes."""
         outputs = []
         # the per-request text work is counted here, not worth an annotation per request
         with jax.profiler.TraceAnnotation("engine.detokenize"):
             for i, s in enumerate(sched):
                 req = s.request
-                if self.requests.get(req.request_id) is not req:  # finished or aborted while the step ran
+                if self.requests.get(req.request_id) is not req:  # ended before this step was collected
                     continue
                 if i in out.prompt_logprobs:
                     self._collect_prompt_logprobs(s, out.prompt_logprobs[i])
@@ -238,21 +245,29 @@ class Engine:
                     outputs.append(self._sampled(req, req.token_ids[before[i]:], finishes[i], out, i, now))
         return outputs
 
-    def _emitted(self, s: Scheduled, out: StepOutput, i: int) -> list[int]:
-        """The chunk's new tokens (none unless it sampled); counts speculative acceptance."""
+    def _emitted(self, s: Scheduled, out: StepOutput | SpeculativeStepOutput, i: int) -> list[int]:
+        """The chunk's new tokens (none unless it sampled); with speculative decoding, counts the acceptance and
+        keeps the request's next drafts."""
         if not s.sample:
             return []
-        if out.num_emitted is None:
-            return [int(out.tokens[i])]
-        n = int(out.num_emitted[i])
-        if s.num_draft:
-            m = self.metrics
-            m.spec_drafts.inc()
-            m.spec_draft_tokens.inc(s.num_draft)
-            m.spec_accepted.inc(n - 1)
-            for pos in range(n - 1):
-                m.spec_accepted_per_pos[pos].inc()
-        return [int(t) for t in out.tokens[i][:n]]
+        toks = [int(t) for t in out.emitted(i)]
+        if isinstance(out, SpeculativeStepOutput):
+            if s.num_draft:
+                m = self.metrics
+                m.spec_drafts.inc()
+                m.spec_draft_tokens.inc(s.num_draft)
+                m.spec_accepted.inc(len(toks) - 1)
+                for pos in range(len(toks) - 1):
+                    m.spec_accepted_per_pos[pos].inc()
+            s.request.draft_ids = [int(t) for t in out.drafts[i][:self.spec.num_speculative_tokens]]
+        return toks
+
+    @staticmethod
+    def _logprobs(out: StepOutput | SpeculativeStepOutput, i: int, toks: list[int], k: int) -> list[TokenLogprob]:
+        """The logprobs of the chunk's appended tokens (the first `len(toks)` it emitted), `k` top ones each."""
+        rows = out.emitted_logprobs(i)
+        return [TokenLogprob(t, float(rows.logprob[j]), _top(rows.top_ids[j], rows.top_logprobs[j], k))
+                for j, t in enumerate(toks)]
 
     def _chunk(self, s: Scheduled, prev_rows: dict[int, int]) -> SeqChunk:
         """`prev_rows`: each request's sampled-token row in the step in flight (async scheduling)."""
@@ -294,56 +309,39 @@ class Engine:
             tok = req.prompt_ids[p + 1]
             got[p + 1] = TokenLogprob(tok, float(rows.logprob[j]), _top(rows.top_ids[j], rows.top_logprobs[j], k))
 
-    def _sampled(self, req: Request, toks: list[int], finish: Finish | None, out: StepOutput, i: int, now: float
-                 ) -> RequestOutput:
-        """The scheduler appended `toks` (one, or with speculative decoding up to 1 + k, and decided `finish` from
-        the last): their text, logprobs and, with a stop string in the text, the finish (tokens after it dropped)."""
+    def _sampled(self, req: Request, toks: list[int], finish: Finish | None,
+                 out: StepOutput | SpeculativeStepOutput, i: int, now: float) -> RequestOutput:
+        """The scheduler appended `toks` (one, or with speculative decoding up to 1 + k, cut after the first that
+        finishes the request) and decided `finish` at the last: their text and logprobs."""
         if req.first_token_time is None:
             req.first_token_time = now
             self.metrics.ttft.observe(now - req.arrival)
         else:
             self.metrics.itl.observe(now - req.last_token_time)
         req.last_token_time = now
-        texts = []
-        for j, tok in enumerate(toks):
-            text, stop_string = self._out[req.request_id].update(tok, finish if j == len(toks) - 1 else None)
-            texts.append(text)
-            if stop_string is not None:
-                if j + 1 < len(toks):  # the stop string ends before the step's last token: drop the rest
-                    del req.token_ids[j + 1 - len(toks):]
-                finish, toks = Finish("stop", stop_string), toks[:j + 1]
-                break
-        text = "".join(texts)
+        state = self._out[req.request_id]
+        text = "".join(state.update(tok, finish if j == len(toks) - 1 else None) for j, tok in enumerate(toks))
         self.metrics.generation_tokens.inc(len(toks))
-        lp = None
-        if req.params.logprobs is not None:
-            k = req.params.logprobs
-            if out.num_emitted is None:
-                lp = [TokenLogprob(toks[0], float(out.logprobs[i]), _top(out.top_ids[i], out.top_logprobs[i], k))]
-            else:
-                lp = [TokenLogprob(t, float(out.logprobs[i][j]), _top(out.top_ids[i][j], out.top_logprobs[i][j], k))
-                      for j, t in enumerate(toks)]
+        lp = None if req.params.logprobs is None else self._logprobs(out, i, toks, req.params.logprobs)
         prompt_lp = self._prompt_lp.pop(req.request_id, None)
         if finish is not None:
-            o = self._finish(req, finish.reason, finish.stop_reason, text, toks)
-            o.new_logprobs, o.prompt_logprobs = lp, prompt_lp
-            return o
+            return self._ended(req, finish, toks, text, new_logprobs=lp, prompt_logprobs=prompt_lp)
         return RequestOutput(req.request_id, toks, text, False, new_logprobs=lp, prompt_logprobs=prompt_lp,
                              **self._counts(req))
 
-    def _finish(self, req: Request, reason: str, stop_reason, text: str, new_ids: list[int] | None = None
-                ) -> RequestOutput:
-        self.scheduler.remove(req)  # a no-op after a token finish: the request left when its step was collected
+    def _ended(self, req: Request, finish: Finish, new_ids: list[int], text: str, **extra) -> RequestOutput:
+        """The engine's side of a request that ended (the scheduler has freed it): forget it, count it, and its
+        last output."""
         del self.requests[req.request_id]
-        tail = self._out.pop(req.request_id).flush() if reason != "stop" else ""
+        del self._out[req.request_id]
         self._prompt_lp.pop(req.request_id, None)
-        req.finish_reason, req.stop_reason = reason, stop_reason
+        req.finish_reason, req.stop_reason = finish
         self.metrics.e2e.observe(time.monotonic() - req.arrival)
-        self.metrics.finished(reason)
+        self.metrics.finished(finish.reason)
         log.info("finished %s session=%s rank=%s reason=%s prompt=%d cached=%d output=%d preemptions=%d",
-                 req.request_id, req.session_id, req.rank, reason, req.num_prompt, req.cached_tokens, req.num_output,
-                 req.num_preemptions)
-        return RequestOutput(req.request_id, new_ids or [], text + tail, True, reason, stop_reason,
+                 req.request_id, req.session_id, req.rank, finish.reason, req.num_prompt, req.cached_tokens,
+                 req.num_output, req.num_preemptions)
+        return RequestOutput(req.request_id, new_ids, text, True, finish.reason, finish.stop_reason, **extra,
                              **self._counts(req))
 
     @staticmethod

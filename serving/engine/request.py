@@ -18,10 +18,25 @@ class Status(enum.Enum):
 
 
 class Finish(NamedTuple):
-    """Why a request ends: reason "stop" (stop_reason: the stop token id or string; None for EOS) or "length"."""
+    """Why a request ends: reason "stop" (stop_reason: the stop token id or string; None for EOS), "length" or
+    "abort"."""
 
     reason: str
     stop_reason: int | str | None
+
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the request (its text is cut there), if that is what ended it."""
+        return self.stop_reason if isinstance(self.stop_reason, str) else None
+
+
+class StopString(NamedTuple):
+    """A stop string found in a step's text: the `index`-th of the step's new tokens completes `text`. The text
+    handling finds it, the scheduler decides whether it ends the request (a finish by an earlier token comes
+    first)."""
+
+    index: int
+    text: str
 
 
 @dataclass(frozen=True)

@@ -7,13 +7,14 @@ the prefix cache when it resumes); then admits waiting requests while slots, bud
 Admission looks up the prefix cache and applies the encoder-replay rewind (`plan_prefix_hit`): the request
 restarts at `replay_start`, never rewriting cached rows below `write_floor`. Blocks for the whole prompt are
 reserved at admission so chunked prefills of many long prompts cannot thrash each other. After the step,
-`postprocess` appends each sampled token and decides the token-based finishes (nano-vllm's `postprocess`).
+`postprocess` appends the sampled tokens, decides the finishes (EOS, stop token ids, length, and the stop strings
+the text handling found in the step's text) and frees what a finished request holds (nano-vllm's `postprocess`).
 
 Bucket fit (`_fit_to_bucket`, off unless `bucket_fit_min_tokens` is set): the runner pads a step's rows up to the
 next compiled token bucket, and in a compute-bound step a padded row costs what a real one does. So a large step
 that spills over a bucket only by prefill tokens is cut back to that bucket; the cut tokens lead the next step. Off
-by default: on the peer V4 checkpoint at c=8 (budget 4,096) a fit at 512 shortened a wave's longest step 1.33 ->
-1.04 s in-process, but served runs alternated with it off measured no TTFT gain and 2-3 ms more TPOT (17 rounds).
+by default: on the peer V4 checkpoint a fit shortened a wave's longest step in-process, but served runs alternated
+with it off measured no TTFT gain and a slightly longer TPOT (docs/design/measurements.md).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 
 from dsv41.config import ModelConfig
 from serving.engine.dp_router import POLICIES as ROUTING_POLICIES
-from serving.engine.request import Finish, Request, Status
+from serving.engine.request import Finish, Request, Status, StopString
 from serving.runtime.block_manager import BlockManager, PrefixHit
 from serving.runtime.config import RuntimeConfig
 from serving.runtime.encoder_replay import plan_prefix_hit
@@ -147,7 +148,8 @@ class Scheduler:
         return heapq.heappop(self._waiting_heap)[3] if self.by_priority else self._waiting_fcfs.popleft()
 
     def remove(self, req: Request) -> None:
-        """Take a request out wherever it is (abort or finish) and free its blocks and slot; a finished one stays so."""
+        """Take a request out wherever it is and free its blocks and slot (an abort, or a finish `postprocess`
+        decided); a finished one stays so."""
         if req in self.running:
             self.running.remove(req)
             self._release(req)
@@ -204,12 +206,11 @@ class Scheduler:
         return self._fit_to_bucket(out, admitted)
 
     def _fit_to_bucket(self, out: list[Scheduled], admitted: list[Request]) -> list[Scheduled]:
-        """Cuts a step of T tokens back to the largest bucket b <= T when b >= `bucket_fit_min_tokens`, taking the
-        T - b tokens from the newest prefill chunks (a decode row or a draft is never cut). Peer V4, bf16, EPYC: a
-        3,585-row step (7 prompts of 512 and a decode row) pads to 4,096 and runs 1.33 s; cut to 3,072 it runs
-        1.04-1.05 s, 5 of the prompts get their first token then and the other two lead the next (512-row) step. A
-        chunk cut to nothing waits: a request admitted in this step goes back to the front of the queue as if never
-        admitted (no preemption counted). A step of decode rows is never cut."""
+        """Cuts a step of T tokens back to the largest bucket b <= T when b >= `bucket_fit_min_tokens`, taking the T - b
+        tokens from the newest prefill chunks (a decode row or a draft is never cut): a step just past a bucket, padded
+        to the next, runs the padding at full cost; cut back, it runs shorter and the cut prompts lead the next step
+        (docs/design/measurements.md). A chunk cut to nothing waits: a request admitted in this step goes back to the
+        front of the queue as if never admitted (no preemption counted). A step of decode rows is never cut."""
         total = sum(s.end - s.start for s in out)
         low = max((b for b in self.token_buckets if b <= total), default=0)
         spill = total - low
@@ -305,15 +306,16 @@ class Scheduler:
             added.append(more)
         return added
 
-    def postprocess(self, s: Scheduled, tokens: int | list[int] | None, pending: bool | None = None
-                    ) -> Finish | None:
+    def postprocess(self, s: Scheduled, tokens: int | list[int] | None, pending: bool | None = None,
+                    stop: StopString | None = None) -> Finish | None:
         """The step ran `s`: positions [start, end) are written - with drafts, only up to the last accepted one
         stays (the rest was rolled back) - and their full blocks are registered in the prefix cache; when the
         chunk sampled, its emitted tokens (one, or the accepted drafts and the bonus token) are appended, up to
-        the first that finishes the request. Returns that finish, if any: EOS (unless ignore_eos) or a stop token
-        id once more than `min_tokens` are out, else the length limits (`max_tokens`, `max_model_len`). Stop
-        strings are text: the engine's output handling finds those. `pending` (async scheduling): whether
-        `launched` gave the chunk a pending token, which the appended one replaces."""
+        the first that finishes the request, whose blocks and slot are then freed. Returns that finish, if any:
+        EOS (unless ignore_eos) or a stop token id once more than `min_tokens` are out, else `stop` (the stop
+        string the text handling found, ending at one of these tokens), else the length limits (`max_tokens`,
+        `max_model_len`). `pending` (async scheduling): whether `launched` gave the chunk a pending token, which
+        the appended one replaces."""
         req = s.request
         toks = [] if tokens is None else [tokens] if isinstance(tokens, int) else list(tokens)
         written = s.end - s.num_draft + max(len(toks) - 1, 0)  # the rows of accepted tokens
@@ -321,20 +323,24 @@ class Scheduler:
             req.num_computed = written
         else:  # async scheduling: `launched` counted the step's rows, and maybe a pending token, when it went out
             req.num_pending -= pending
-        finish = self._append(req, toks) if s.sample else None
+        finish = self._append(req, toks, stop) if s.sample else None
         if req.status is Status.RUNNING:  # not preempted while the step ran (its blocks are gone then)
             self.blocks.commit(req.request_id, req.token_ids, min(written, req.num_tokens))
+        if finish is not None:
+            self.remove(req)
         return finish
 
-    def _append(self, req: Request, toks: list[int]) -> Finish | None:
+    def _append(self, req: Request, toks: list[int], stop: StopString | None) -> Finish | None:
         p = req.params
-        for token in toks:
+        for j, token in enumerate(toks):
             req.token_ids.append(token)
             if req.num_output > p.min_tokens:
                 if token in p.stop_token_ids:
                     return Finish("stop", token)
                 if token == req.eos_id and not p.ignore_eos:
                     return Finish("stop", None)
+            if stop is not None and stop.index == j:
+                return Finish("stop", stop.text)
             if (p.max_tokens is not None and req.num_output >= p.max_tokens) or req.num_tokens >= self.rc.max_model_len:
                 return Finish("length", None)
         return None

@@ -9,9 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pallas_kernels import IMPLS
-from pallas_kernels.moe_gmm import SMALL_STEPS
+from pallas_kernels.moe_xla import SMALL_STEP_FORMS
 from serving.runtime.kv_cache import FORMATS
 from serving.runtime.speculative import SpeculativeConfig
+
+# `moe_small_steps`: "tune" (serving.runtime.moe_tuning), "rule" (batched, weights right) or one form for all
+MOE_SMALL_STEPS = ("rule", "tune", *SMALL_STEP_FORMS)
 
 
 @dataclass(frozen=True)
@@ -52,11 +55,11 @@ class RuntimeConfig:
         "choices": IMPLS, "help": "fused-op implementation (pallas_kernels): auto = pallas on a GPU, xla "
                                   "elsewhere; xla or reference is the fallback if a Pallas kernel misbehaves"})
     moe_small_steps: str = field(default="tune", metadata={
-        "choices": SMALL_STEPS, "help": "routed experts of steps with few rows per expert (decode) on the XLA path "
-                                        "(CPU), float experts: tune = the fastest form on this machine among those "
-                                        "giving rule's bits, timed once per step shape and machine when such a bucket "
-                                        "is first traced (~2.5-4 s); rule = batched, weights on the right; or one "
-                                        "form"})
+        "choices": MOE_SMALL_STEPS, "help": "routed experts of steps with few rows per expert (decode) on the XLA "
+                                            "path (CPU), float experts: tune = the fastest form on this machine among "
+                                            "those giving rule's bits, timed once per step shape and machine just "
+                                            "before the first bucket running it compiles (kept beside the executable "
+                                            "cache); rule = batched, weights on the right; or one form"})
 
     def __post_init__(self):
         if isinstance(self.speculative_config, (dict, SpeculativeConfig)):  # LLM(speculative_config={...})
@@ -68,7 +71,7 @@ class RuntimeConfig:
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
         for name, allowed in (("kv_cache_dtype", FORMATS), ("kernel_impl", IMPLS),
-                              ("moe_small_steps", SMALL_STEPS)):
+                              ("moe_small_steps", MOE_SMALL_STEPS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.token_buckets is not None and (not self.token_buckets or min(self.token_buckets) < 1

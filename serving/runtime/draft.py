@@ -1,7 +1,7 @@
 """The DSpark drafter against the runtime's cache (spec §2.12, serving §4.1).
 
 Context: for every committed position, segment 2 writes each draft stage's SWA row RoPE(kv_norm(wkv(main_x)))
-of main_x = main_norm(main_proj(target features)) into that stage's ring (`cache["draft"][stage]`, a ring of
+of main_x = main_norm(main_proj(target features)) into that stage's ring (`KVCache.draft[stage]`, a ring of
 `window` rows per slot like the target's); the target features are the mean streams entering
 `dspark_target_layer_ids`, which lie after the CED cut, so they exist for segment 2's kept rows - each
 chunk's last `window` rows, exactly the rows a later draft reads (the drafter's window is the target's, so
@@ -21,25 +21,24 @@ import jax
 import jax.numpy as jnp
 
 from dsv41.block import run_blocks
-from dsv41.layers.attention import sparse_attention
+from dsv41.layers.attention import draft_blocks_attention
 from dsv41.layers.mhc import hc_collapse
 from dsv41.layers.rope import inv_freq, rope_angles
-from serving.runtime import kv_cache
 from serving.runtime.attention import write_ring
-from serving.runtime.kv_cache import CacheLayout
+from serving.runtime.kv_cache import CacheLayout, KVCache
 from serving.runtime.speculative import gumbel_argmax, row_keys
 
 
-def write_context(dspark, layout: CacheLayout, cache: dict, features_TkD: jax.Array, pos_T: jax.Array,
-                  slot_T: jax.Array, write_T: jax.Array, fake_quant: bool) -> dict:
+def write_context(dspark, layout: CacheLayout, cache: KVCache, features_TkD: jax.Array, pos_T: jax.Array,
+                  slot_T: jax.Array, write_T: jax.Array, fake_quant: bool) -> KVCache:
     """Each draft stage's context rows of the rows `write_T` (target features [T, targets, D])."""
     main_x = dspark.combine(features_TkD)
     rows = dspark.context_kv(main_x, pos_T, fake_quant)
-    draft = {i: write_ring(layout, cache["draft"][i], rows[i], pos_T, slot_T, write_T) for i in cache["draft"]}
-    return {**cache, "draft": draft}
+    return cache.updated(draft={i: write_ring(layout.swa_format, ring, rows[i], pos_T, slot_T, write_T)
+                                for i, ring in cache.draft.items()})
 
 
-def propose(module, layout: CacheLayout, cache: dict, anchor_R: jax.Array, anchor_pos_R: jax.Array,
+def propose(module, layout: CacheLayout, cache: KVCache, anchor_R: jax.Array, anchor_pos_R: jax.Array,
             slot_R: jax.Array, floor_R: jax.Array, *, fake_quant: bool = False) -> tuple[jax.Array, jax.Array]:
     """The block pass for each request's anchor: (pre-norm head hidden [R, B, D], base logits [R, B, V] float32).
     Context rows below `floor_R` (replay_start) are not read."""
@@ -52,22 +51,17 @@ def propose(module, layout: CacheLayout, cache: dict, anchor_R: jax.Array, ancho
     # ring row i of a slot holds the position p = i (mod W) in [anchor - W, anchor)
     ring_pos = anchor_pos_R[:, None] - W + (jnp.arange(W)[None] - anchor_pos_R[:, None]) % W
     ctx_ok = ring_pos >= jnp.maximum(floor_R, 0)[:, None]
-    mask = jnp.concatenate([jnp.broadcast_to(ctx_ok[:, None], (R, B, W)), jnp.ones((R, B, B), jnp.bool_)], axis=2)
     stage = {blk.role.layer_id: i for i, blk in enumerate(ds.blocks)}
 
-    def attend(block, x):
-        attn = block.attn
-        _, q = attn.project_q(x, cos, sin)
-        kv = attn.project_kv(x, cos, sin, fake_quant)
-        ring = kv_cache.decode(layout, "swa", cache["draft"][stage[block.role.layer_id]][slot_R])  # [R, W, d]
-        keys = jnp.concatenate([ring, kv.reshape(R, B, -1).astype(jnp.float32)], axis=1)
-        o = jax.vmap(lambda q_, k_, m_: sparse_attention(q_, k_, m_, attn.attn_sink[...]))(
-            q.reshape(R, B, *q.shape[1:]), keys, mask)
-        return attn.output(o.reshape(R * B, *o.shape[2:]), cos, sin, x.dtype)
+    def attention(block, x):  # one block per request
+        ring = layout.swa_format.decode(cache.draft[stage[block.role.layer_id]][slot_R])  # [R, W, d]
+        sink = block.attn.attn_sink[...]
+        return block.attn.attend(x, cos, sin, lambda _, q, kv: draft_blocks_attention(q, kv, ring, ctx_ok, sink),
+                                 fake_quant=fake_quant)
 
     e = module.embed(ids)
     streams = jnp.broadcast_to(e[:, None, :], (R * B, c.hc_mult, e.shape[1]))
-    out, pre, _ = run_blocks(ds.blocks, c, streams, ids, attend)
+    out, pre, _ = run_blocks(ds.blocks, c, streams, ids, attention)
     h = hc_collapse(out, pre)
     base = module.head(ds.norm(h), jnp.float32)
     return h.reshape(R, B, -1), base.reshape(R, B, -1)

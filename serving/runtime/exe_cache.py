@@ -1,24 +1,24 @@
 """Compiled step programs on disk, so a restart skips tracing and lowering as well as compiling.
 
 JAX's persistent cache is keyed by the lowered program, so a warm start still traces and lowers every segment
-before it can look one up: ~2 s a segment for the 10-layer default model, most of a warm start once the
-programs load in under a second. This cache is keyed by what determines a program before it is traced - the
-project's model and runtime source, the jax / jaxlib / flax versions, the backend and its devices, XLA_FLAGS,
-the config, the runtime settings, the cache layout, the parameter tree - and, per program, the bucket and the
-argument tree it is called with; a program whose stored argument tree differs from the call's is not used.
+before it can look one up, which is most of a warm start once the programs load (docs/design/measurements.md). This
+cache is keyed by what determines a program before it is traced - the project's model and runtime source, the jax /
+jaxlib / flax versions, the backend and its devices, XLA_FLAGS, the config, the runtime settings, the cache layout,
+the parameter tree - and, per program, the bucket and the argument tree it is called with; a program whose stored
+argument tree differs from the call's is not used.
 vLLM keys its torch.compile cache the same way (source hash + config).
 
 The folder is bounded (`max_bytes`, like JAX's `jax_compilation_cache_max_size`): after each write the least
 recently used files (a load counts as a use) are deleted until the rest fit, so programs of old source versions
 and configs do not pile up.
 
-`enable_compilation_cache(path, executables=True)` turns it on for the process (`path/executables`) instead
-of JAX's cache: on jaxlib 0.12 a program that came out of JAX's cache serializes without its code (it loads,
-then fails with "Function ... not found"), so the two are not mixed in one process. A mesh runner's programs carry
+A runner keeps its programs here when it is given `ExecutableCacheSettings` (the server's default, in
+`--compilation-cache-dir`/executables), and then JAX's own persistent cache stays off: on jaxlib 0.12 a program that
+came out of JAX's cache serializes without its code (it loads, then fails with "Function ... not found"), so the two
+are not mixed in one process. A mesh runner's programs carry
 their shardings and load onto the mesh's devices in its order (the mesh's shape and device ids are in the key);
-a tiny-model dp2 x tp2 server on 4 CPU devices was ready in 1.2-1.3 s warm, against 4.4-4.5 s with JAX's cache
-(which still traces and lowers) and 13.7-13.9 s cold. Processes of a multi-host run (`serving.launch`) keep JAX's
-cache.
+a mesh server's warm start skips tracing like a one-device one (docs/benchmarks/startup.md). Processes of a
+multi-host run (`serving.launch`) keep JAX's cache.
 """
 
 from __future__ import annotations
@@ -30,26 +30,27 @@ import pickle
 import sys
 import tempfile
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import jax
 from jax.experimental import serialize_executable
 
-from pallas_kernels import moe_gmm
-
 DEFAULT_MAX_BYTES = 8 << 30
-_folder: Path | None = None
-_max_bytes: int | None = DEFAULT_MAX_BYTES
 
 
-def set_folder(folder: str | Path | None, max_bytes: int | None = DEFAULT_MAX_BYTES) -> None:
-    """Keep one-device runners' programs in `folder` (None: not at all), for runners built after this call,
-    at most `max_bytes` of them (None: no bound)."""
-    global _folder, _max_bytes
-    _folder = Path(folder) if folder else None
-    _max_bytes = max_bytes
-    moe_gmm.set_tuning_file(_folder / "moe_small_steps.json" if _folder else None)
+@dataclass(frozen=True)
+class ExecutableCacheSettings:
+    """Where a runner keeps its compiled programs, and at most how many bytes of them (None: no bound)."""
+
+    folder: Path
+    max_bytes: int | None = DEFAULT_MAX_BYTES
+
+    @property
+    def tuning_file(self) -> Path:
+        """Where runners keep their MoE small-step choices (`serving.runtime.moe_tuning`): beside the programs
+        compiled with them."""
+        return Path(self.folder) / "moe_small_steps.json"
 
 
 # the packages whose code becomes the step programs (the server, engine and API only call them)
@@ -87,18 +88,13 @@ def arg_tree(args) -> str:
 
 class ExecutableCache:
     """One runner's programs (`load` / `save` per bucket) and picklable values (`get_value` / `put_value`: the
-    segment carry's shapes, found by tracing otherwise). Anything unreadable is a miss: rebuilt, overwritten."""
+    segment carry's shapes, found by tracing otherwise), under a key of what determines them (`runner_state`: the
+    runner described). Anything unreadable is a miss: rebuilt, overwritten."""
 
-    def __init__(self, folder: str | Path, runner_state: str, max_bytes: int | None = DEFAULT_MAX_BYTES):
-        self.folder, self.max_bytes = Path(folder), max_bytes
+    def __init__(self, settings: ExecutableCacheSettings, runner_state: str):
+        self.folder, self.max_bytes = Path(settings.folder), settings.max_bytes
         self._prefix = hashlib.sha256((_environment() + runner_state).encode()).hexdigest()[:32]
         self.hits = self.misses = 0
-
-    @classmethod
-    def for_runner(cls, runner_state: Callable[[], str]) -> ExecutableCache | None:
-        """The process's cache (`set_folder`) for one runner's programs, or None when it is off (`runner_state`,
-        the runner described for the key, is then not computed: ~40 ms for the default model)."""
-        return cls(_folder, runner_state(), _max_bytes) if _folder else None
 
     def _path(self, name: str) -> Path:
         return self.folder / f"{self._prefix}-{hashlib.sha256(name.encode()).hexdigest()[:32]}.pkl"
@@ -139,7 +135,7 @@ class ExecutableCache:
     def put_value(self, name: str, value) -> None:
         self._write(f"value {name}", value)
 
-    def load(self, key: tuple, specs: tuple, devices: list):
+    def load(self, key, specs: tuple, devices: list):
         """The compiled program of bucket `key` for arguments `specs`, loaded onto `devices` (those it was
         compiled for: by default a program loads onto every local device), or None."""
         entry = self._read(f"program {key!r} {arg_tree(specs)}")
@@ -157,7 +153,7 @@ class ExecutableCache:
         self.misses += 1
         return None
 
-    def save(self, key: tuple, specs: tuple, compiled) -> None:
+    def save(self, key, specs: tuple, compiled) -> None:
         try:
             entry = serialize_executable.serialize(compiled)
         except (ValueError, NotImplementedError) as e:  # e.g. a program closing over device arrays

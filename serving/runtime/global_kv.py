@@ -4,7 +4,9 @@ Writes (KV source s, ratio r): a row closes at the last token of its group (ever
 positions for r = 2, pooling with the previous token - or with the slot's tail when the chunk starts at
 an odd position). Row j lives at block_table[j // rows_per_block], offset j % rows_per_block. Rows whose
 last token lies below the request's write floor (a prefix hit being replayed) are never rewritten; an
-open group at the end of a chunk leaves its raw [kv, gate] rows in the tail.
+open group at the end of a chunk leaves its raw [kv, gate] rows in the tail. The pooled rows become global rows
+and index keys as in the model (`dsv41.layers.attention.publish_kv_source`); what is the paging's is here: the
+pooling across chunks through the tail, the block addressing and the write floor.
 
 Top-k (index sources): one call of the fused op `pallas_kernels.index_topk` under the block's
 `kernel_impl`. Dense sources score every visible row of the request's paged keys, scanning the cache
@@ -23,18 +25,17 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from dsv41.layers.rope import apply_rope, inv_freq, rope_angles
-from dsv41.quant import fake_quant_nvfp4
+from dsv41.layers.attention import publish_kv_source
 from pallas_kernels.indexer import IndexMeta, index_topk
 from pallas_kernels.tiles import QueryTiles
 from serving.runtime import kv_cache, v4_kv
-from serving.runtime.kv_cache import CacheLayout
+from serving.runtime.kv_cache import CacheLayout, KVCache
 from serving.runtime.step import INDEX_RATIOS, Requests
 
 
 def publish_source(layout: CacheLayout, block, x_TD: jax.Array, pos_T: jax.Array, req_T: jax.Array,
-                   valid_T: jax.Array, requests: Requests, cache: dict, fake_quant: bool
-                   ) -> tuple[dict, jax.Array | None]:
+                   valid_T: jax.Array, requests: Requests, cache: KVCache, fake_quant: bool
+                   ) -> tuple[KVCache, jax.Array | None]:
     """KV source `block`: write the rows closing in this step (+ index keys) and the open-group tail; returns the
     cache and, for a ratio-2 source, every row's raw [kv, gate] [T, 2, d] float32 (speculative rollback restores
     a tail from it), else None."""
@@ -46,7 +47,7 @@ def publish_source(layout: CacheLayout, block, x_TD: jax.Array, pos_T: jax.Array
     kv, gate = comp.project(x_TD)
     slot = requests.slot_R[req_T]
     if r == 2:
-        tail = cache["tail"][s][slot]  # [T, 2, d]
+        tail = cache.tail[s][slot]  # [T, 2, d]
         inside = pos_T > requests.start_R[req_T]  # the group's first token is in this step
         prev_kv = jnp.where(inside[:, None], jnp.roll(kv, 1, axis=0), tail[:, 0])
         prev_gate = jnp.where(inside[:, None], jnp.roll(gate, 1, axis=0), tail[:, 1])
@@ -55,26 +56,19 @@ def publish_source(layout: CacheLayout, block, x_TD: jax.Array, pos_T: jax.Array
         closes = pos_T % 2 == 1
     else:
         pooled, closes = kv, jnp.ones_like(valid_T)
-    latent = comp.norm(pooled, x_TD.dtype)
     j = pos_T // r
-    cos, sin = rope_angles(j * r, inv_freq(c, "compress"))
-    rows = apply_rope(latent, cos, sin)
-    rows = fake_quant_nvfp4(rows) if fake_quant else rows
+    rows, keys = publish_kv_source(block.attn, c, pooled, j, x_TD.dtype, fake_quant)
     write = valid_T & closes & (pos_T >= requests.write_floor_R[req_T])
     blk = jnp.where(write, requests.block_table_RM[req_T, j // rpb], layout.num_blocks)  # out of range -> dropped
-    cache = dict(cache)
-    cache["rows"] = {**cache["rows"], s: cache["rows"][s].at[blk, j % rpb].set(
-        kv_cache.encode(layout, "rows", rows), mode="drop")}
-    ix = block.attn.indexer
-    if ix is not None and ix.wk is not None:
-        keys = ix.keys(latent, cos, sin, fake_quant)
-        cache["keys"] = {**cache["keys"], s: cache["keys"][s].at[blk, j % rpb].set(
-            kv_cache.encode(layout, "keys", keys), mode="drop")}
+    cache = cache.updated(rows={s: cache.rows[s].at[blk, j % rpb].set(layout.rows_format.encode(rows), mode="drop")})
+    if keys is not None:
+        cache = cache.updated(keys={s: cache.keys[s].at[blk, j % rpb].set(layout.keys_format.encode(keys),
+                                                                           mode="drop")})
     if r == 2:
         opens = valid_T & (pos_T == requests.end_R[req_T] - 1) & (pos_T % 2 == 0)
-        _, tails = kv_cache.after_reads(pooled, cache["tail"][s])
-        cache["tail"] = {**cache["tail"], s: tails.at[jnp.where(opens, slot, layout.num_slots)].set(
-            jnp.stack([kv, gate], axis=1), mode="drop")}
+        _, tails = kv_cache.after_reads(pooled, cache.tail[s])
+        cache = cache.updated(tail={s: tails.at[jnp.where(opens, slot, layout.num_slots)].set(
+            jnp.stack([kv, gate], axis=1), mode="drop")})
         return cache, jnp.stack([kv, gate], axis=1).astype(jnp.float32)
     return cache, None
 

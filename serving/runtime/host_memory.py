@@ -2,13 +2,13 @@
 
 XLA:CPU mallocs each step's buffers and frees them after it. glibc hands large blocks back to the kernel (mmap
 above a threshold, trimming of the heap top, per-thread arenas), so the next step faults every page in again, 4 KiB
-at a time, zeroed by the kernel: a [4096, 256] x [256, 4096] float32-out product faults its 64 MiB output on each
-call (16K faults; 42 -> 23 ms on a 2-core EPYC), and a peer checkpoint's 8 x 512-token prefill step runs ~13%
-faster with the memory kept (1,397 / 1,354 -> 1,228 / 1,172 ms). One arena, no mmap and no trimming keep it, as
-the caching allocators of GPU frameworks do: the process holds its peak host memory.
+at a time, zeroed by the kernel: a [4096, 256] x [256, 4096] float32-out product faults its 64 MiB output in on
+each call, and both that product and a peer checkpoint's prefill step run faster with the memory kept
+(docs/design/measurements.md). One arena, no mmap and no trimming keep it, as the caching allocators of GPU
+frameworks do: the process holds its peak host memory.
 
 It must be set before JAX starts its CPU backend: the backend's threads keep the arenas they were given (set
-after, the prefill step was unchanged: 1,417 / 1,394 vs 1,378 / 1,356 ms).
+after, it left the prefill step unchanged).
 """
 
 from __future__ import annotations

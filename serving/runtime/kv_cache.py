@@ -1,24 +1,25 @@
-"""The hybrid KV cache of V4.1 (spec §3.2), and of V4-Flash, as a pytree of device arrays, sized from a memory
-budget.
+"""The hybrid KV cache of V4.1 (spec §3.2), and of V4-Flash: a typed pytree of device arrays (`KVCache`), its
+static description (`CacheLayout`), sized from a memory budget.
 
-Groups:
-  rows[s]  global (compressed) KV of KV source s, paged: [num_blocks, block_size / ratio, d]
-  keys[s]  its index keys, paged with the same block ids:  [num_blocks, block_size / ratio, ihd]
-  swa[l]   every layer's sliding window, request-private ring (position p at p % W): [num_slots, W, d]
-  tail[s]  ratio-2 sources: the open group's raw fp32 [kv, gate] rows, per slot: [num_slots, 2, d]
-  pool[s], index_pool[s]  V4 sources (CSA ratio 4, HCA ratio 128) and their indexers' compressors: the raw fp32
-           [kv, gate + ape] of the request's last S positions, per slot (serving.runtime.v4_kv):
-           [num_slots, S, 2, width] (CSA: S = 8, width 2d for the two overlapping series; HCA: S = 128, width d)
-  draft[k] speculative decoding: DSpark stage k's context ring, like swa: [num_slots, W, d]
-Only `rows` and `keys` are prefix-cacheable (one block id covers block_size positions of every source).
-Engram look-back ids are host data (the scheduler holds every request's tokens).
+Each field of `KVCache` maps a layer, KV source or draft stage to one array:
+  swa         every layer's sliding window, request-private ring (position p at p % W): [num_slots, W, width]
+  rows        KV source s's global (compressed) KV, paged: [num_blocks, block_size / ratio, width]
+  keys        its index keys, paged with the same block ids: [num_blocks, block_size / ratio, index width]
+  tail        ratio-2 sources: the open group's raw fp32 [kv, gate] rows, per slot: [num_slots, 2, d]
+  pool, index_pool  V4 sources (CSA ratio 4, HCA ratio 128) and their indexers' compressors: the raw fp32
+              [kv, gate + ape] of the request's last S positions, per slot (serving.runtime.v4_kv):
+              [num_slots, S, 2, width] (CSA: S = 8, width 2d for the two overlapping series; HCA: S = 128, width d)
+  draft       speculative decoding: DSpark stage k's context ring, like swa: [num_slots, W, width]
+Only `rows` and `keys` are prefix-cacheable (one block id covers block_size positions of every source); the others
+are private to a request slot. Engram look-back ids are host data (the scheduler holds every request's tokens).
 
-Storage formats: "auto" keeps the compute dtype (exact); "release" stores DeepSeek's records - SWA FP8
+Storage formats (`RowFormat`): "auto" keeps the compute dtype (exact); "release" stores DeepSeek's records - SWA FP8
 e4m3 + UE8M0 per 32 (528 B/row), global NVFP4 (288 B/row), index keys MXFP4 (68 B/row) - as uint8.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -30,7 +31,64 @@ from dsv41 import quant
 from dsv41.config import ModelConfig
 
 FORMATS = ("auto", "release")
-PRIVATE_GROUPS = ("swa", "tail", "pool", "index_pool", "draft")  # per request slot, never prefix-cached
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class KVCache:
+    """One rank's cache (see the module docstring for each field's arrays); also its abstract form (arrays of
+    `jax.ShapeDtypeStruct`, `CacheLayout.shapes`) and its shardings. Fields a model does not use are empty."""
+
+    swa: dict[int, jax.Array]  # layer -> [num_slots, W, width]
+    rows: dict[int, jax.Array]  # KV source -> [num_blocks, block_size / ratio, width]
+    keys: dict[int, jax.Array]  # index source -> [num_blocks, block_size / ratio, index width]
+    tail: dict[int, jax.Array]  # ratio-2 source -> [num_slots, 2, d] float32
+    pool: dict[int, jax.Array]  # V4 source -> [num_slots, S, 2, width] float32
+    index_pool: dict[int, jax.Array]  # V4 index source -> [num_slots, S, 2, width] float32
+    draft: dict[int, jax.Array]  # DSpark stage -> [num_slots, W, width]
+
+    def updated(self, **arrays: dict[int, jax.Array]) -> KVCache:
+        """This cache with some arrays replaced, e.g. `updated(rows={source: new})`; the others are kept."""
+        return dataclasses.replace(self, **{f: {**getattr(self, f), **a} for f, a in arrays.items()})
+
+    def paged(self) -> list[jax.Array]:
+        """The prefix-cacheable arrays (one block id covers block_size positions of each)."""
+        return [*self.rows.values(), *self.keys.values()]
+
+    def private(self) -> list[jax.Array]:
+        """The arrays private to a request slot."""
+        return [*self.swa.values(), *self.tail.values(), *self.pool.values(), *self.index_pool.values(),
+                *self.draft.values()]
+
+
+@dataclass(frozen=True)
+class RowFormat:
+    """How one kind of row is stored: the compute dtype (`record` None, exact) or a release record of uint8."""
+
+    values: int  # channels of a decoded row
+    record: str | None  # None, "fp8" (SWA), "nvfp4" (global rows) or "mxfp4" (index keys)
+    dtype: str = "float32"  # the stored dtype without a record
+
+    @property
+    def width(self) -> int:
+        """Stored elements per row."""
+        return self.values if self.record is None else _RECORD_BYTES[self.record](self.values)
+
+    @property
+    def storage_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype) if self.record is None else jnp.dtype(jnp.uint8)
+
+    def encode(self, x: jax.Array) -> jax.Array:
+        return x.astype(self.dtype) if self.record is None else _ENCODE[self.record](x)
+
+    def decode(self, r: jax.Array) -> jax.Array:
+        """Stored rows -> float32 values."""
+        return r.astype(jnp.float32) if self.record is None else _DECODE[self.record](r, self.values)
+
+
+_RECORD_BYTES = {"fp8": quant.fp8_record_bytes, "nvfp4": quant.nvfp4_record_bytes, "mxfp4": quant.mxfp4_record_bytes}
+_ENCODE = {"fp8": quant.encode_fp8_record, "nvfp4": quant.encode_nvfp4_record, "mxfp4": quant.encode_mxfp4_record}
+_DECODE = {"fp8": quant.decode_fp8_record, "nvfp4": quant.decode_nvfp4_record, "mxfp4": quant.decode_mxfp4_record}
 
 
 def pool_ring(ratio: int, d: int) -> tuple[int, int, int]:
@@ -83,46 +141,52 @@ class CacheLayout:
     def window(self) -> int:
         return self.config.sliding_window
 
-    # ------------------------------------------------------------------ row byte widths
-    def _width(self, kind: str) -> tuple[int, jnp.dtype]:
-        c = self.config
-        if self.fmt == "auto":
-            d = {"swa": c.head_dim, "rows": c.head_dim, "keys": c.index_head_dim}[kind]
-            return d, jnp.dtype(self.dtype)
-        nbytes = {"swa": quant.fp8_record_bytes(c.head_dim), "rows": quant.nvfp4_record_bytes(c.head_dim),
-                  "keys": quant.mxfp4_record_bytes(c.index_head_dim)}[kind]
-        return nbytes, jnp.dtype(jnp.uint8)
+    # ------------------------------------------------------------------ row formats
+    def _format(self, values: int, record: str) -> RowFormat:
+        return RowFormat(values, None if self.fmt == "auto" else record, self.dtype)
 
-    def shapes(self) -> dict:
-        """{group: {layer: ShapeDtypeStruct}}: the cache pytree, abstractly."""
-        c, W = self.config, self.window
-        sw, sdt = self._width("swa")
-        rw, rdt = self._width("rows")
-        kw, kdt = self._width("keys")
+    @property
+    def swa_format(self) -> RowFormat:
+        """SWA rings' rows (and the draft stages' rings)."""
+        return self._format(self.config.head_dim, "fp8")
+
+    @property
+    def rows_format(self) -> RowFormat:
+        """Global (compressed) rows."""
+        return self._format(self.config.head_dim, "nvfp4")
+
+    @property
+    def keys_format(self) -> RowFormat:
+        """Index keys."""
+        return self._format(self.config.index_head_dim, "mxfp4")
+
+    def shapes(self) -> KVCache:
+        """The cache, abstractly (`jax.ShapeDtypeStruct` arrays)."""
+        c, W, N, B = self.config, self.window, self.num_slots, self.num_blocks
         S = jax.ShapeDtypeStruct
-        draft = {"draft": {k: S((self.num_slots, W, sw), sdt) for k in range(self.draft_stages)}
-                 } if self.draft_stages else {}
-        return {
-            "swa": {layer: S((self.num_slots, W, sw), sdt) for layer in range(c.num_hidden_layers)},
-            "rows": {s: S((self.num_blocks, self.rows_per_block(s), rw), rdt) for s in self.sources},
-            "keys": {s: S((self.num_blocks, self.rows_per_block(s), kw), kdt) for s in self.index_sources},
-            "tail": {s: S((self.num_slots, 2, c.head_dim), jnp.float32) for s in self.sources
-                     if c.compress_ratios[s] == 2 and c.family == "v41"},
-            "pool": {s: S((self.num_slots, *pool_ring(c.compress_ratios[s], c.head_dim)), jnp.float32)
-                     for s in self.v4_sources},
-            "index_pool": {s: S((self.num_slots, *pool_ring(c.compress_ratios[s], c.index_head_dim)), jnp.float32)
-                           for s in self.v4_sources if s in self.index_sources},
-            **draft,
-        }
+        swa, rows, keys = self.swa_format, self.rows_format, self.keys_format
+        return KVCache(
+            swa={layer: S((N, W, swa.width), swa.storage_dtype) for layer in range(c.num_hidden_layers)},
+            rows={s: S((B, self.rows_per_block(s), rows.width), rows.storage_dtype) for s in self.sources},
+            keys={s: S((B, self.rows_per_block(s), keys.width), keys.storage_dtype) for s in self.index_sources},
+            tail={s: S((N, 2, c.head_dim), jnp.float32) for s in self.sources
+                  if c.compress_ratios[s] == 2 and c.family == "v41"},
+            pool={s: S((N, *pool_ring(c.compress_ratios[s], c.head_dim)), jnp.float32) for s in self.v4_sources},
+            index_pool={s: S((N, *pool_ring(c.compress_ratios[s], c.index_head_dim)), jnp.float32)
+                        for s in self.v4_sources if s in self.index_sources},
+            draft={k: S((N, W, swa.width), swa.storage_dtype) for k in range(self.draft_stages)},
+        )
+
+    def zeros(self) -> KVCache:
+        """Zero-filled cache arrays on the default device."""
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.shapes())
 
     # ------------------------------------------------------------------ bytes
     def bytes_per_block(self) -> int:
-        sh = self.shapes()
-        return sum(_nbytes(a) // self.num_blocks for g in ("rows", "keys") for a in sh[g].values())
+        return sum(_nbytes(a) // self.num_blocks for a in self.shapes().paged())
 
     def bytes_per_slot(self) -> int:
-        sh = self.shapes()
-        return sum(_nbytes(a) // self.num_slots for g in PRIVATE_GROUPS for a in sh.get(g, {}).values())
+        return sum(_nbytes(a) // self.num_slots for a in self.shapes().private())
 
     def report(self) -> dict:
         """Bytes per token of the prefix-cacheable (global) groups and per request of the private ones."""
@@ -158,29 +222,6 @@ def plan_layout(config: ModelConfig, *, memory_bytes: int, block_size: int, num_
         raise ValueError(f"KV memory budget {memory_bytes} B holds {max(num_blocks, 0)} blocks of {block_size} tokens "
                          f"after {num_slots} request slots; one request of max_model_len {max_model_len} needs {need}")
     return CacheLayout(config, int(num_blocks), block_size, num_slots, fmt, dtype, draft_stages)
-
-
-def allocate(layout: CacheLayout) -> dict:
-    """Zero-filled cache arrays on the default device."""
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), layout.shapes())
-
-
-# ============================================================ row encode / decode per group
-def encode(layout: CacheLayout, group: str, x: jax.Array) -> jax.Array:
-    if layout.fmt == "auto":
-        return x.astype(layout.dtype)
-    return {"swa": quant.encode_fp8_record, "rows": quant.encode_nvfp4_record,
-            "keys": quant.encode_mxfp4_record}[group](x)
-
-
-def decode(layout: CacheLayout, group: str, r: jax.Array) -> jax.Array:
-    """Stored rows -> float32 values."""
-    if layout.fmt == "auto":
-        return r.astype(jnp.float32)
-    c = layout.config
-    d = c.index_head_dim if group == "keys" else c.head_dim
-    return {"swa": quant.decode_fp8_record, "rows": quant.decode_nvfp4_record,
-            "keys": quant.decode_mxfp4_record}[group](r, d)
 
 
 def after_reads(read: jax.Array, buffer: jax.Array) -> tuple[jax.Array, jax.Array]:

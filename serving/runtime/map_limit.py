@@ -1,7 +1,7 @@
 """The kernel's cap on a process's memory maps, checked as programs are compiled.
 
-XLA:CPU maps each compiled program's code in hundreds of pieces: the peer V4 checkpoint's 33 step programs
-held ~27,500 maps (~830 each), the tiny preset's ~540 each. Linux caps a process at `vm.max_map_count` (65,530
+XLA:CPU maps each compiled program's code in hundreds of pieces (counts: docs/design/measurements.md), so a
+server's step programs hold tens of thousands of maps. Linux caps a process at `vm.max_map_count` (65,530
 by default); past it LLVM's code allocation fails ("LLVM compilation error: Cannot allocate memory") and the
 process segfaults - seen with a third such engine in one process. `MapLimitGuard.before_compile` raises a
 clear error instead, while the next programs still fit.
@@ -26,9 +26,9 @@ def memory_maps() -> tuple[int, int] | None:
 
 class MapLimitGuard:
     """Call `before_compile()` before each program is compiled or loaded (`GUARD`: one per process, as the limit
-    is, so what earlier runners' programs took is known to the next). Reading the maps costs ~10 ms at ~28,000 of
-    them, so it reads again only when the programs compiled since could have used half the headroom at the
-    largest per-program growth seen."""
+    is, so what earlier runners' programs took is known to the next). Reading tens of thousands of maps is not
+    free (docs/design/measurements.md), so it reads again only when the programs compiled since could have used
+    half the headroom at the largest per-program growth seen."""
 
     def __init__(self, reader=memory_maps):
         self._read, self._lock = reader, threading.Lock()

@@ -12,13 +12,25 @@ the raw row of P + n when it opens a group (even), else the tail from before the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
 
-from serving.runtime.kv_cache import CacheLayout
+from serving.runtime.kv_cache import CacheLayout, KVCache
 
-_RINGS = ("swa", "draft")
-_PAGED = ("rows", "keys")
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class CacheSites:
+    """What a verification step's sites held before it, per kind of store (as `KVCache`'s fields): the rings' and
+    paged rows' [R, J, width] at positions start .. start + J - 1, and the ratio-2 tails [R, 2, d]."""
+
+    swa: dict[int, jax.Array]
+    draft: dict[int, jax.Array]
+    rows: dict[int, jax.Array]
+    keys: dict[int, jax.Array]
+    tail: dict[int, jax.Array]
 
 
 def _positions(start_R: jax.Array, J: int) -> jax.Array:
@@ -34,47 +46,52 @@ def _paged_site(layout: CacheLayout, source: int, pos_RJ: jax.Array, table_RM: j
     return blk, j % rpb, pos_RJ % r == r - 1
 
 
-def snapshot(layout: CacheLayout, cache: dict, slot_R: jax.Array, start_R: jax.Array, table_RM: jax.Array,
-             J: int) -> dict:
-    """What the sites of positions start_R .. + J - 1 hold, per cache kind ({group: {key: [R, J, width]}}, and
-    the ratio-2 tails [R, 2, d])."""
+def snapshot(layout: CacheLayout, cache: KVCache, slot_R: jax.Array, start_R: jax.Array, table_RM: jax.Array,
+             J: int) -> CacheSites:
+    """What the sites of positions start_R .. + J - 1 hold, per kind of store."""
     pos = _positions(start_R, J)
-    snap: dict = {g: {key: a[slot_R[:, None], pos % layout.window] for key, a in cache[g].items()}
-                  for g in _RINGS if g in cache}
-    for g in _PAGED:
-        snap[g] = {}
-        for s, a in cache[g].items():
+
+    def ring(arrays: dict[int, jax.Array]) -> dict[int, jax.Array]:
+        return {key: a[slot_R[:, None], pos % layout.window] for key, a in arrays.items()}
+
+    def paged(arrays: dict[int, jax.Array]) -> dict[int, jax.Array]:
+        out = {}
+        for s, a in arrays.items():
             blk, off, _ = _paged_site(layout, s, pos, table_RM)
-            snap[g][s] = a[blk, off]
-    snap["tail"] = {s: a[slot_R] for s, a in cache["tail"].items()}
-    return snap
+            out[s] = a[blk, off]
+        return out
+
+    return CacheSites(swa=ring(cache.swa), draft=ring(cache.draft), rows=paged(cache.rows), keys=paged(cache.keys),
+                      tail={s: a[slot_R] for s, a in cache.tail.items()})
 
 
-def restore(layout: CacheLayout, cache: dict, snap: dict, slot_R: jax.Array, start_R: jax.Array,
-            table_RM: jax.Array, n_draft_R: jax.Array, n_accepted_R: jax.Array, committed_raw: dict) -> dict:
+def restore(layout: CacheLayout, cache: KVCache, snap: CacheSites, slot_R: jax.Array, start_R: jax.Array,
+            table_RM: jax.Array, n_draft_R: jax.Array, n_accepted_R: jax.Array, committed_raw: dict) -> KVCache:
     """The cache without positions start + n_accepted + 1 .. start + n_draft (requests with n_draft 0 untouched).
     `committed_raw` {ratio-2 source: [R, 2, d]}: the raw [kv, gate] row of each request's last committed
     position start + n_accepted, as segment 1 computed it."""
-    J = next(iter(snap["swa"].values())).shape[1]
+    J = next(iter(snap.swa.values())).shape[1]
     pos = _positions(start_R, J)
     i = jnp.arange(J)[None]
     rejected = (i > n_accepted_R[:, None]) & (i <= n_draft_R[:, None])  # [R, J]
-    out = dict(cache)
-    for g in _RINGS:
-        if g in cache:
-            slot = jnp.where(rejected, slot_R[:, None], layout.num_slots)  # out of range -> dropped
-            out[g] = {key: a.at[slot, pos % layout.window].set(snap[g][key], mode="drop")
-                      for key, a in cache[g].items()}
-    for g in _PAGED:
-        out[g] = {}
-        for s, a in cache[g].items():
+    ring_slot = jnp.where(rejected, slot_R[:, None], layout.num_slots)  # out of range -> dropped
+
+    def ring(arrays: dict[int, jax.Array], saved: dict[int, jax.Array]) -> dict[int, jax.Array]:
+        return {key: a.at[ring_slot, pos % layout.window].set(saved[key], mode="drop") for key, a in arrays.items()}
+
+    def paged(arrays: dict[int, jax.Array], saved: dict[int, jax.Array]) -> dict[int, jax.Array]:
+        out = {}
+        for s, a in arrays.items():
             blk, off, closes = _paged_site(layout, s, pos, table_RM)
             blk = jnp.where(rejected & closes, blk, layout.num_blocks)
-            out[g][s] = a.at[blk, off].set(snap[g][s], mode="drop")
+            out[s] = a.at[blk, off].set(saved[s], mode="drop")
+        return out
+
     spec = n_draft_R > 0
     last = start_R + n_accepted_R
-    out["tail"] = {}
-    for s, a in cache["tail"].items():
-        value = jnp.where((last % 2 == 0)[:, None, None], committed_raw[s], snap["tail"][s])
-        out["tail"][s] = a.at[jnp.where(spec, slot_R, layout.num_slots)].set(value, mode="drop")
-    return out
+    tail = {}
+    for s, a in cache.tail.items():
+        value = jnp.where((last % 2 == 0)[:, None, None], committed_raw[s], snap.tail[s])
+        tail[s] = a.at[jnp.where(spec, slot_R, layout.num_slots)].set(value, mode="drop")
+    return cache.updated(swa=ring(cache.swa, snap.swa), draft=ring(cache.draft, snap.draft),
+                         rows=paged(cache.rows, snap.rows), keys=paged(cache.keys, snap.keys), tail=tail)

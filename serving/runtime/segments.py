@@ -35,9 +35,9 @@ from dsv41.layers.rope import inv_freq, rope_angles
 from pallas_kernels.sparse_attention import AttnMeta
 from pallas_kernels.tiles import QueryTiles
 from serving.runtime import draft, global_kv, kv_cache
-from serving.runtime.attention import sparse_attention, write_ring
+from serving.runtime.attention import paged_attention, write_ring
 from serving.runtime.decoder_replay import gather_kept
-from serving.runtime.kv_cache import CacheLayout
+from serving.runtime.kv_cache import CacheLayout, KVCache
 from serving.runtime.sampling_params import MAX_LOGPROBS
 from serving.runtime.step import INDEX_RATIOS, Rows, SegmentCarry, StepBatch
 
@@ -72,8 +72,17 @@ class _Layers:
         self.candidates: jax.Array | None = None
         self.raw_tails: dict[int, jax.Array] = {}  # speculative decoding: ratio-2 sources' raw rows
 
-    def attend(self, block, x_TD: jax.Array, at: _RowView, cache: dict, cut_kv: _CutKV | None = None
-               ) -> tuple[jax.Array, dict]:
+    def attend(self, block, x_TD: jax.Array, at: _RowView, cache: KVCache, cut_kv: _CutKV | None = None
+               ) -> tuple[jax.Array, KVCache]:
+        """The attention sublayer of `block` over the rows `at` ([T, D] -> [T, D]) and the cache it leaves.
+
+        The model's mechanism (`dsv41.model.backbone_attention`) with its projections and KV-source math
+        (`dsv41.layers.attention.publish_kv_source`), on a paged cache instead of one sequence's arrays: the queries
+        stay un-rotated (the fused `paged_attention` applies RoPE and its inverse), a KV source writes its rows
+        into cache blocks (`global_kv.publish_source`), an index source selects with the paged indexer op
+        (`global_kv.select_rows`), the keys are the request's SWA ring plus this step's rows and the paged rows
+        its top-k names, and the step's SWA rows go into the ring afterwards (`write_ring`). At the cut layer in
+        segment 2, `cut_kv` carries the SWA rows segment 1 computed."""
         layout, c, role, attn, req = self.layout, self.layout.config, block.role, block.attn, self.requests
         cos, sin = rope_angles(at.pos_T, inv_freq(c, role.rope))
         qr, q = attn.queries(x_TD)
@@ -92,31 +101,30 @@ class _Layers:
         if role.attn_kind == "hca":  # V4: every visible row of its own compressed KV
             n_rows = req.block_table_RM.shape[1] * layout.rows_per_block(role.kv_source)
             topk = global_kv.all_rows(at.pos_T, role.compress_ratio, n_rows)
-            rows_cache = cache["rows"][role.kv_source]
+            rows_cache = cache.rows[role.kv_source]
         elif role.attn_kind != "swa":  # V4.1's compressed layers, V4's CSA
             if role.is_index_source:
                 queries = lambda: attn.indexer.queries(x_TD, qr, cos, sin, self.fake_quant)  # noqa: E731
                 with jax.named_scope("indexer"):
                     ids, cand = global_kv.select_rows(layout, block, queries, at.pos_T, at.req_T, at.tiles, req,
-                                                      self.index_blocks_2, cache["keys"][role.kv_source],
+                                                      self.index_blocks_2, cache.keys[role.kv_source],
                                                       self.candidates)
                 self.topk[role.layer_id] = ids
                 if role.is_candidate_source:
                     self.candidates = cand
-            topk, rows_cache = self.topk[role.index_source], cache["rows"][role.kv_source]
+            topk, rows_cache = self.topk[role.index_source], cache.rows[role.kv_source]
         n_blocks = None  # the global-row blocks of the step's longest context (the XLA path's scan length)
         if rows_cache is not None:
             n_blocks = self.index_blocks_2[INDEX_RATIOS.index(c.compress_ratios[role.kv_source])]
         meta = AttnMeta(at.pos_T, at.req_T, req.slot_R, req.start_R, at.floor_R, req.block_table_RM, kv_row, at.tiles,
                         n_blocks)
         with jax.named_scope("sparse_mla"):
-            o = sparse_attention(q, cos, sin, attn.attn_sink[...], kv_all, cache["swa"][role.layer_id], meta,
-                                 rows_cache=rows_cache, topk_Tk=topk, impl=block.kernel_impl,
-                                 out_dtype=x_TD.dtype)
+            o = paged_attention(q, cos, sin, attn.attn_sink[...], kv_all, cache.swa[role.layer_id], meta,
+                                rows_cache=rows_cache, topk_Tk=topk, impl=block.kernel_impl, out_dtype=x_TD.dtype)
         last_rows = at.valid_T & (at.pos_T >= req.end_R[at.req_T] - layout.window)
-        o, ring = kv_cache.after_reads(o, cache["swa"][role.layer_id])
-        cache = {**cache, "swa": {**cache["swa"], role.layer_id: write_ring(
-            layout, ring, kv, at.pos_T, req.slot_R[at.req_T], last_rows)}}
+        o, ring = kv_cache.after_reads(o, cache.swa[role.layer_id])
+        cache = cache.updated(swa={role.layer_id: write_ring(layout.swa_format, ring, kv, at.pos_T,
+                                                             req.slot_R[at.req_T], last_rows)})
         return attn.project_out(o, x_TD.dtype), cache
 
 
@@ -146,9 +154,9 @@ def split_layer(c) -> int:
     return c.cut_layer if c.family == "v41" else c.num_hidden_layers - 1
 
 
-def segment1(module, layout: CacheLayout, cache: dict, carry_buf: SegmentCarry | None, batch: StepBatch, *,
+def segment1(module, layout: CacheLayout, cache: KVCache, carry_buf: SegmentCarry | None, batch: StepBatch, *,
              fake_quant: bool, expert_counts: bool = False, prev_tokens: jax.Array | None = None,
-             engram_terms: jax.Array | None = None) -> tuple[dict, SegmentCarry, jax.Array | None]:
+             engram_terms: jax.Array | None = None) -> tuple[KVCache, SegmentCarry, jax.Array | None]:
     """(cache, the carry rows in `carry_buf`, expert counts of layers 0 .. cut-1 [cut, E] or None).
     `prev_tokens`: the previous step's sampled tokens, read by the rows whose `rows.prev_T` names one of them (async
     scheduling: the host has not seen those tokens yet). `engram_terms` [V, L, 2]: every token's Engram hash term,
@@ -192,8 +200,8 @@ def segment1(module, layout: CacheLayout, cache: dict, carry_buf: SegmentCarry |
                                carry_buf, carry), counts
 
 
-def segment2(module, layout: CacheLayout, cache: dict, carry_buf: SegmentCarry, batch: StepBatch, *,
-             fake_quant: bool, expert_counts: bool = False) -> tuple[dict, jax.Array, tuple, jax.Array | None]:
+def segment2(module, layout: CacheLayout, cache: KVCache, carry_buf: SegmentCarry, batch: StepBatch, *,
+             fake_quant: bool, expert_counts: bool = False) -> tuple[KVCache, jax.Array, tuple, jax.Array | None]:
     """(cache, logits of each request's last row [max_num_seqs, V], zeros past `Buckets.requests` of the kept rows
     (speculative decoding: of its last J rows [max_num_seqs, J, V]; and each draft stage's context rows are
     written), prompt logprobs of every kept row:

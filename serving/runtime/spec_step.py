@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from serving.runtime import draft, rollback
-from serving.runtime.kv_cache import CacheLayout
-from serving.runtime.sampler import target_logprobs, token_logprobs, top_logprobs
+from serving.runtime.kv_cache import CacheLayout, KVCache
+from serving.runtime.rollback import CacheSites
+from serving.runtime.sampler import SamplingArrays, target_logprobs, token_logprobs, top_logprobs
 from serving.runtime.speculative import SpeculativeConfig, verify
 
 
@@ -44,29 +45,28 @@ class SpecOutput(NamedTuple):
     confidence_RB: jax.Array
 
 
-def snapshot(layout: CacheLayout, J: int, cache: dict, s: SpecInputs) -> dict:
+def snapshot(layout: CacheLayout, J: int, cache: KVCache, s: SpecInputs) -> CacheSites:
     return rollback.snapshot(layout, cache, s.slot_R, s.row0_pos_R, s.block_table_RM, J)
 
 
-def finish(module, layout: CacheLayout, spec: SpeculativeConfig, cache: dict, tail_rows: dict, snap: dict,
-           q_buf_SBV: jax.Array, logits_RJV: jax.Array, s: SpecInputs, p: dict, *, max_top_k: int,
-           fake_quant: bool = False) -> tuple[dict, jax.Array, SpecOutput]:
+def finish(module, layout: CacheLayout, spec: SpeculativeConfig, cache: KVCache, tail_rows: dict, snap: CacheSites,
+           q_buf_SBV: jax.Array, logits_RJV: jax.Array, s: SpecInputs, p: SamplingArrays, *, max_top_k: int,
+           fake_quant: bool = False) -> tuple[KVCache, jax.Array, SpecOutput]:
     """(cache, the draft distributions per slot, what the host reads). `tail_rows` {ratio-2 source: [T, 2, d]}:
     segment 1's raw rows (the carry); `p`: the sampling arrays of the step's rows."""
     R = s.slot_R.shape[0]  # the step's requests (a bucket of them), the first rows of the logits
     logits_RJV = logits_RJV[:R]
     _, J, V = logits_RJV.shape
     rep = lambda a: jnp.repeat(a, J, axis=0)  # noqa: E731  per row -> per verified row
-    logp, greedy = target_logprobs(logits_RJV.reshape(R * J, V), {k: rep(v) for k, v in p.items()},
-                                   max_top_k=max_top_k)
+    logp, greedy = target_logprobs(logits_RJV.reshape(R * J, V), jax.tree.map(rep, p), max_top_k=max_top_k)
     greedy = greedy.reshape(R, J)[:, 0]
     K = J - 1
     method = spec.rejection_sample_method
     emitted, n = verify(logp.reshape(R, J, V), greedy, s.drafts_RK, q_buf_SBV[s.slot_R, :K], s.n_draft_R,
-                        p["seed"], s.row0_pos_R, method=method,
+                        p.seed_R, s.row0_pos_R, method=method,
                         synthetic_rate=spec.synthetic_rate if method == "synthetic" else 0.0)
     logprob = token_logprobs(logits_RJV, emitted)
-    top_lp, top_ids = top_logprobs(logits_RJV, p["logprobs"])  # only when a row asks for them
+    top_lp, top_ids = top_logprobs(logits_RJV, p.logprobs_R)  # only when a row asks for them
     committed = {src: rows[s.first_row_R + n] for src, rows in tail_rows.items()}
     cache = rollback.restore(layout, cache, snap, s.slot_R, s.row0_pos_R, s.block_table_RM, s.n_draft_R, n,
                              committed)
@@ -76,6 +76,6 @@ def finish(module, layout: CacheLayout, spec: SpeculativeConfig, cache: dict, ta
                                  fake_quant=fake_quant)
     greedy_drafts = greedy | (spec.draft_sample_method == "greedy")
     drafts, q, conf = draft.markov_draft(module.dspark, hidden, base, anchor, anchor_pos, greedy_drafts,
-                                         p["temperature"], p["seed"])
+                                         p.temperature_R, p.seed_R)
     q_buf = q_buf_SBV.at[jnp.where(s.active_R, s.slot_R, q_buf_SBV.shape[0])].set(q, mode="drop")
     return cache, q_buf, SpecOutput(emitted, n, logprob, top_ids, top_lp, drafts, conf)

@@ -119,8 +119,8 @@ class SegmentCarry:
 
 class PackedBatch:
     """A host batch's int32 / bool arrays in one int32 array per rank [R, N] (plus its other arrays as they
-    are), so a step transfers one small array instead of ~17: on the CPU backend each transfer costs ~60-100 us
-    whatever its size (17 arrays 1.0 ms, the same 656 bytes packed 0.11 ms). The tree structure and each
+    are), so a step transfers one small array instead of ~17: on the CPU backend each transfer has a fixed cost
+    whatever its size (docs/design/measurements.md). The tree structure and each
     array's offset, shape and dtype are the pytree's static part, so every bucket still compiles once and a
     call with another layout is refused like any other tree mismatch. `unpack()` inside the jitted function
     gives the original tree (slices of the packed array; any leading rank dimension is kept)."""

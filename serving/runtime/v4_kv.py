@@ -4,14 +4,17 @@ series) and HCA (ratio 128) rows written to the paged cache as their windows clo
 A V4 compressor pools a window of r tokens with a per-channel softmax over gate + ape; CSA pools 2r slots, the
 previous window's first series (Ca) and this window's second one (Cb). A chunk seldom covers whole windows, so
 every V4 KV source keeps the raw [kv, gate + ape] of its request's last S positions in a per-slot ring
-(`cache["pool"][layer]`, position q at q % S, S = 2r for CSA and r for HCA; the CSA indexer's own compressor
-in `cache["index_pool"]`). A row closing at position p (p % r == r - 1) reads positions p - S + 1 .. p from
+(`KVCache.pool[layer]`, position q at q % S, S = 2r for CSA and r for HCA; the CSA indexer's own compressor
+in `KVCache.index_pool`). A row closing at position p (p % r == r - 1) reads positions p - S + 1 .. p from
 this step's rows where the step has them and from the ring below the request's first position of the step;
 positions < 0 weigh nothing (CSA's window 0). At most T // r + min(T, R) rows close in a step of T rows and R
 requests, so only those are pooled; a step of fewer rows than r (every decode step of an HCA layer) pools only when
 one of its windows closes; CSA's ring is gathered only when a closing window reaches before its request's rows of
 the step (not in a prefill chunk that starts at a window boundary), and HCA's wide windows are pooled one closing
 window at a time (`_pool_closing`). Rows closing below the write floor (a prefix hit's cached rows) are kept.
+The pooling is this module's own (`V4Compressor.pooled` pools a whole sequence from position 0, not windows
+straddling steps through a ring); the norm, RoPE and index keys of the pooled rows are the model's
+(`dsv41.layers.attention.publish_kv_source`).
 
 Prefix hits are block aligned and a block holds whole ratio-128 windows (`CacheLayout` checks it), so a window
 closing at or after the hit starts at or after it: the replayed rows refill the ring before any row reads it.
@@ -28,17 +31,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from dsv41.layers.attention import publish_kv_source
 from dsv41.layers.compressor import V4Compressor
-from dsv41.layers.indexer import Indexer
-from dsv41.layers.rope import apply_rope, inv_freq, rope_angles
-from dsv41.quant import fake_quant_nvfp4
 from serving.runtime import kv_cache
-from serving.runtime.kv_cache import CacheLayout
+from serving.runtime.kv_cache import CacheLayout, KVCache
 from serving.runtime.step import Requests
 
 
 def publish(layout: CacheLayout, block, x_TD: jax.Array, pos_T: jax.Array, req_T: jax.Array, valid_T: jax.Array,
-            requests: Requests, cache: dict, fake_quant: bool) -> dict:
+            requests: Requests, cache: KVCache, fake_quant: bool) -> KVCache:
     """V4 KV source `block`: the global rows (and CSA's index keys) of the windows closing in this step written
     to the paged cache, the compressors' rings advanced."""
     c, s = layout.config, block.role.layer_id
@@ -50,13 +51,12 @@ def publish(layout: CacheLayout, block, x_TD: jax.Array, pos_T: jax.Array, req_T
     ok_C = jnp.arange(n_close) < jnp.sum(closes)
     p_C, rq_C = pos_T[t_C], req_T[t_C]
     j_C = p_C // r
-    cos, sin = rope_angles(j_C * r, inv_freq(c, "compress"))
     rpb = layout.rows_per_block(s)
     blk = jnp.where(ok_C, requests.block_table_RM[rq_C, j_C // rpb], layout.num_blocks)  # out of range -> dropped
-    cache = dict(cache)
 
-    def pool(comp: V4Compressor, group: str) -> jax.Array:
-        ring = cache[group][s]
+    def pool(comp: V4Compressor, ring: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The closing windows' pooled rows [C, d] (before the norm) and the compressor's ring advanced past this
+        step."""
         raw_T2w = jnp.stack([comp.wkv(x_TD, jnp.float32), comp.wgate(x_TD, jnp.float32) + comp.ape[...][pos_T % r]], 1)
         closing_rows = lambda: _pool_closing(comp, raw_T2w, pos_T, req_T, requests, ring, t_C, ok_C)  # noqa: E731
         if r > T:  # a window closes in few such steps (an HCA layer's decode: 1 in 128): skip its pooling in the rest
@@ -65,25 +65,27 @@ def publish(layout: CacheLayout, block, x_TD: jax.Array, pos_T: jax.Array, req_T
         else:
             pooled_Cd = closing_rows()
         pooled_Cd, ring = kv_cache.after_reads(pooled_Cd, ring)
-        cache[group] = {**cache[group], s: _advance_ring(raw_T2w, pos_T, req_T, valid_T, requests, ring)}
-        return comp.norm(pooled_Cd, x_TD.dtype)
+        return pooled_Cd, _advance_ring(raw_T2w, pos_T, req_T, valid_T, requests, ring)
 
-    rows = apply_rope(pool(block.attn.compressor, "pool"), cos, sin)
-    rows = fake_quant_nvfp4(rows) if fake_quant else rows
-    cache["rows"] = {**cache["rows"], s: cache["rows"][s].at[blk, j_C % rpb].set(
-        kv_cache.encode(layout, "rows", rows), mode="drop")}
-    ix = block.attn.indexer
-    if ix is not None:
-        keys = Indexer.rotate_keys(pool(ix.compressor, "index_pool"), cos, sin, fake_quant)
-        cache["keys"] = {**cache["keys"], s: cache["keys"][s].at[blk, j_C % rpb].set(
-            kv_cache.encode(layout, "keys", keys), mode="drop")}
+    pooled, ring = pool(block.attn.compressor, cache.pool[s])
+    cache = cache.updated(pool={s: ring})
+    ix, index_pooled = block.attn.indexer, None
+    if ix is not None:  # CSA: its indexer's own compressor
+        index_pooled, ring = pool(ix.compressor, cache.index_pool[s])
+        cache = cache.updated(index_pool={s: ring})
+    rows, keys = publish_kv_source(block.attn, c, pooled, j_C, x_TD.dtype, fake_quant, index_pooled_Nc=index_pooled)
+    cache = cache.updated(rows={s: cache.rows[s].at[blk, j_C % rpb].set(layout.rows_format.encode(rows), mode="drop")})
+    if keys is not None:
+        cache = cache.updated(keys={s: cache.keys[s].at[blk, j_C % rpb].set(layout.keys_format.encode(keys),
+                                                                            mode="drop")})
     return cache
 
 
 # On a CPU, windows at least this wide (HCA's 128 positions) are pooled one closing window at a time, only the
 # windows that close: a step pools at most T // r + min(T, R) of them, mostly padding slots (a 512-row prefill with
-# 32 KV slots: 36 slots, 4 or 5 windows), and gathering [36, 128, 2, 512] float32 rows took 12 ms on a 2-core CPU.
-# A GPU gathers them in one pass (a loop of ~64 windows per 8K-token chunk and HCA layer would cost a launch each).
+# 32 KV slots: 36 slots, 4 or 5 windows), and gathering all [36, 128, 2, 512] float32 rows is slow on a CPU
+# (docs/design/measurements.md). A GPU gathers them in one pass (a loop of ~64 windows per 8K-token chunk and HCA
+# layer would cost a launch each).
 LOOP_MIN_SLOTS = 32
 
 

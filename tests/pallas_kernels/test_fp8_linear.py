@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from dsv41 import quant
-from dsv41.layers.basic import Linear
-from dsv41.layers.moe import set_kernel_impl
+from dsv41.layers.basic import Linear, with_kernels
 from pallas_kernels import fp8_linear, lowering
+from pallas_kernels.kernel_config import KernelConfig
 from tests.pallas_kernels.util import seeded_rng
 
 
@@ -56,8 +56,9 @@ def test_the_model_linear_runs_the_kernel_it_is_set_to():
     x = jnp.asarray(rng.standard_normal((6, 128)), jnp.float32)
     want = x @ fp8_linear.decode(w, s, (32, 32), jnp.float32).T
     for impl in ("xla", "pallas"):
-        set_kernel_impl(lin, impl)
-        np.testing.assert_allclose(lin(x), want, rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
+        held = with_kernels(lin, KernelConfig(impl=impl))
+        assert held.kernel_impl == impl and lin.kernel_impl == "auto"
+        np.testing.assert_allclose(held(x), want, rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
 
 
 @pytest.mark.parametrize("T", [64, 8192])

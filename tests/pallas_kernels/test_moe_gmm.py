@@ -6,7 +6,6 @@ lowered for CUDA at V4.1-Flash sizes."""
 
 from __future__ import annotations
 
-import json
 import re
 
 import jax
@@ -16,7 +15,7 @@ import numpy as np
 import pytest
 
 from dsv41 import quant
-from pallas_kernels import lowering, moe_gmm
+from pallas_kernels import lowering, moe_gmm, moe_xla
 from pallas_kernels.expert_weights import QuantizedExperts, quantized_experts, reference_dequantize
 from tests.pallas_kernels.util import assert_close, seeded_rng
 
@@ -54,16 +53,16 @@ def test_xla_and_pallas_match_reference(kind):
     x = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
     w1, w3, w2 = float_weights(rng)
     want = moe_gmm.reference(x, ids, w, w1, w3, w2, limit=LIMIT)
-    tiles = moe_gmm.xla(x, ids, w, w1, w3, w2, limit=LIMIT, tile=4)
+    tiles = moe_xla.xla(x, ids, w, w1, w3, w2, limit=LIMIT, tile=4)
     assert_close(tiles, want, f"{msg} xla tile 4")
     # the batched form: capacity 2 leaves rows of the fuller experts to its tail (11 in expert 3 when one expert
     # has every token), 16 and 40 hold them all (40: the weights on the right of the products, the others on the
     # left); without a form named, a step this small takes the per-pair form
     for capacity in (2, 16, 40):
-        got = moe_gmm.xla(x, ids, w, w1, w3, w2, limit=LIMIT, capacity=capacity)
+        got = moe_xla.xla(x, ids, w, w1, w3, w2, limit=LIMIT, capacity=capacity)
         assert_close(got, want, f"{msg} xla capacity {capacity}")
         assert_close(got, tiles, f"{msg} xla capacity {capacity} vs tiles", rtol=1e-6, atol=1e-6)
-    assert_close(moe_gmm.xla(x, ids, w, w1, w3, w2, limit=LIMIT), want, f"{msg} xla per pair")
+    assert_close(moe_xla.xla(x, ids, w, w1, w3, w2, limit=LIMIT), want, f"{msg} xla per pair")
     got = moe_gmm.routed_experts(x, ids, w, w1, w3, w2, limit=LIMIT, impl="pallas")
     assert_close(got, want, f"{msg} pallas", rtol=2e-5, atol=2e-5)
     if kind == "random":  # the -1 / E slots really contribute nothing
@@ -74,7 +73,7 @@ def test_xla_and_pallas_match_reference(kind):
         flip = jnp.where(keep, E - 1 - ids, ids)
         want = moe_gmm.reference(x, flip, w, w1, w3, w2, limit=LIMIT)
         for capacity in (2, 16, 40):
-            got = moe_gmm.xla(x, flip, w, w1, w3, w2, limit=LIMIT, capacity=capacity)
+            got = moe_xla.xla(x, flip, w, w1, w3, w2, limit=LIMIT, capacity=capacity)
             assert_close(got, want, f"{msg} dropped slots, xla capacity {capacity}")
 
 
@@ -90,8 +89,8 @@ def test_per_pair_form_skips_trailing_rows_without_routed_pairs(dtype):
     x = jnp.asarray(rng.standard_normal((4, D)), dtype)
     ids = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(4)]), jnp.int32)
     w = jnp.asarray(rng.uniform(0.1, 1.0, (4, k)), jnp.float32)
-    per_pair = jax.jit(lambda x, ids, w: moe_gmm.xla(x, ids, w, w1, w3, w2, limit=LIMIT))
-    assert 4 * k * 3 * I * D * 4 <= moe_gmm.GATHER_BYTES  # the per-pair form
+    per_pair = jax.jit(lambda x, ids, w: moe_xla.xla(x, ids, w, w1, w3, w2, limit=LIMIT))
+    assert 4 * k * 3 * I * D * 4 <= moe_xla.GATHER_BYTES  # the per-pair form
     for live in (1, 2, 3):
         dead = jnp.arange(4)[:, None] >= live
         skipped = dead & (live in (1, 2))  # 3 live rows run as 4
@@ -114,82 +113,59 @@ def test_small_step_forms_agree(dtype, kind, monkeypatch):
     every token: the batched forms' tail runs): the reference's values; tiles give the rule's (weights right) bits,
     the weights-left products its values to float32 rounding (the same bits on an AMX Xeon, 1 ulp apart on an
     AVX512-BF16 EPYC); an unknown form is refused by name."""
-    monkeypatch.setattr(moe_gmm, "GATHER_BYTES", 0)  # not the per-pair form
+    monkeypatch.setattr(moe_xla, "GATHER_BYTES", 0)  # not the per-pair form
     rng, msg = seeded_rng()
     ids, w = routing(rng, kind)
-    assert moe_gmm.batch_capacity(ids.size, E) <= moe_gmm.SMALL_STEP_MAX_ROWS  # a small step
+    assert moe_xla.batch_capacity(ids.size, E) <= moe_xla.SMALL_STEP_MAX_ROWS  # a small step
     x = jnp.asarray(rng.standard_normal((T, D)), dtype)
     w1, w3, w2 = (a.astype(dtype) for a in float_weights(rng))
-    rule = moe_gmm.xla(x, ids, w, w1, w3, w2, limit=LIMIT)
+    rule = moe_xla.xla(x, ids, w, w1, w3, w2, limit=LIMIT)
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == jnp.bfloat16 else {}
     assert_close(rule, moe_gmm.reference(x, ids, w, w1, w3, w2, limit=LIMIT), msg, **tol)
-    assert moe_gmm.SMALL_STEP_FORMS == ("batched_left", "batched_right", "tiles")
-    right, tiles = (moe_gmm.xla(x, ids, w, w1, w3, w2, limit=LIMIT, small_steps=f) for f in ("batched_right", "tiles"))
+    assert moe_xla.SMALL_STEP_FORMS == ("batched_left", "batched_right", "tiles")
+    right, tiles = (moe_xla.xla(x, ids, w, w1, w3, w2, limit=LIMIT, small_steps=f) for f in ("batched_right", "tiles"))
     np.testing.assert_array_equal(np.asarray(right), np.asarray(rule), msg)
     np.testing.assert_array_equal(np.asarray(tiles), np.asarray(rule), f"{msg} tiles")
-    left = moe_gmm.xla(x, ids, w, w1, w3, w2, limit=LIMIT, small_steps="batched_left")
+    left = moe_xla.xla(x, ids, w, w1, w3, w2, limit=LIMIT, small_steps="batched_left")
     assert_close(left, rule, f"{msg} batched_left", rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="small_steps must be one of"):
-        moe_gmm.xla(x, ids, w, w1, w3, w2, limit=LIMIT, small_steps="fastest")
+    for unknown in ("fastest", "tune"):  # choosing ("tune") is the caller's, not the kernel's
+        with pytest.raises(ValueError, match="small_steps must be one of"):
+            moe_xla.xla(x, ids, w, w1, w3, w2, limit=LIMIT, small_steps=unknown)
 
 
-def test_tuned_form_is_timed_once_per_machine_and_compiled(tmp_path, monkeypatch):
-    """`tuned_small_step_form` times the forms, keeps its pick in the tuning file, and a new process (its cache
-    cleared) reads it back without compiling anything; a "tune" step compiles the program of the form it names."""
-    path = tmp_path / "moe_small_steps.json"
-    monkeypatch.setattr(moe_gmm, "_tuning_file", None)
-    moe_gmm.set_tuning_file(path)
-    tuned = moe_gmm.tuned_small_step_form
-    shape = (16, 3, E, I, D, jnp.dtype(jnp.float32))
-    try:
-        tuned.cache_clear()
-        form = tuned(*shape)
-        assert form in moe_gmm.SMALL_STEP_FORMS
-        stored = json.loads(path.read_text())
-        assert list(stored.values()) == [form] and "(16, 3, 8, 96, 64, 'float32'" in next(iter(stored))
-        tuned.cache_clear()
-        with monkeypatch.context() as m:
-            m.setattr(jax, "jit", lambda *a, **k: pytest.fail("a stored choice was timed again"))
-            assert tuned(*shape) == form
-        rng, _ = seeded_rng()
-        ids, w = routing(rng, "random")
-        x = jnp.zeros((T, D), jnp.float32)
-        args = (x, ids, w, *float_weights(rng))
-        monkeypatch.setattr(moe_gmm, "GATHER_BYTES", 0)
-        for planted in moe_gmm.SMALL_STEP_FORMS:
-            path.write_text(json.dumps({k.replace("(16,", "(11,"): planted for k in stored}))
-            tuned.cache_clear()
-            lower = lambda s: jax.jit(lambda *a: moe_gmm.xla(*a, limit=LIMIT, small_steps=s)).lower(*args).as_text()
-            assert lower("tune") == lower(planted), planted
-    finally:
-        moe_gmm.set_tuning_file(None)
-        tuned.cache_clear()
-
-
-def test_runner_sets_the_small_step_form_that_experts_compile(monkeypatch):
-    """`RuntimeConfig.moe_small_steps` reaches every `Experts` of the runner's model, and a model's `Experts`
-    compiles the XLA path's program of the form it holds (a small step: the per-pair form ruled out)."""
-    import dsv41
+def test_experts_compile_the_small_step_form_of_their_kernel_config(monkeypatch):
+    """A model's `Experts` compiles the XLA path's program of the form its `KernelConfig` gives its call's shape - the
+    form listed for that step, else `moe_small_step_form` - (a small step: the per-pair form ruled out), and a
+    `KernelConfig` refuses unknown forms by field name."""
+    from dsv41.layers.basic import with_kernels
     from dsv41.layers.moe import Experts
-    from flax import nnx
-    from serving.runtime.config import RuntimeConfig
-    from serving.runtime.runner import Runner
+    from pallas_kernels.kernel_config import KernelConfig, MoeStep
 
-    model = dsv41.random_model("tiny")
-    Runner(model, RuntimeConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, moe_small_steps="tiles"),
-           progress=False)
-    forms = [m.small_steps for _, m in nnx.iter_modules(model.module) if isinstance(m, Experts)]
-    assert forms and set(forms) == {"tiles"}
-    monkeypatch.setattr(moe_gmm, "GATHER_BYTES", 0)
+    monkeypatch.setattr(moe_xla, "GATHER_BYTES", 0)
     rng, _ = seeded_rng()
     ids, w = routing(rng, "random")
     x = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
     m = Experts(E, D, I, LIMIT, dtype=jnp.float32)
+    step = MoeStep(T, 3, E, I, D, "float32")
+    assert m.small_step(T, 3) == step and moe_xla.is_small_step(T * 3, E, I, D)
     lower = lambda f: jax.jit(f).lower(x, ids, w).as_text()  # noqa: E731
-    for form in moe_gmm.SMALL_STEP_FORMS:
-        m.small_steps = form
-        direct = lambda *a: moe_gmm.xla(*a, *m.weights(), limit=LIMIT, small_steps=form)  # noqa: B023, E731
-        assert lower(lambda *a: m(*a)) == lower(direct), form
+    direct = {form: lower(lambda *a: moe_xla.xla(*a, *m.weights(), limit=LIMIT, small_steps=form))  # noqa: B023
+              for form in moe_xla.SMALL_STEP_FORMS}
+    assert len(set(direct.values())) == len(direct)  # three distinct programs
+    for form in moe_xla.SMALL_STEP_FORMS:
+        other = next(f for f in moe_xla.SMALL_STEP_FORMS if f != form)
+        for kernels in (KernelConfig(impl="xla", moe_small_step_form=form),
+                        KernelConfig(impl="xla", moe_small_step_form=other, moe_small_steps={step: form}),
+                        KernelConfig(impl="xla", moe_small_steps=((step._replace(rows=T + 1), other), (step, form)))):
+            held = with_kernels(m, kernels)
+            assert lower(lambda *a: held(*a)) == direct[form], (form, kernels)  # noqa: B023
+    assert m.kernels == KernelConfig()  # with_kernels left it as it was
+    with pytest.raises(ValueError, match="moe_small_step_form must be one of"):
+        KernelConfig(moe_small_step_form="tune")
+    with pytest.raises(ValueError, match="moe_small_steps: the form of"):
+        KernelConfig(moe_small_steps={step: "rule"})
+    with pytest.raises(ValueError, match="impl must be one of"):
+        KernelConfig(impl="cuda")
 
 
 @pytest.mark.parametrize("tile", [1, 4, 16])
@@ -197,10 +173,10 @@ def test_group_layout_places_every_pair_in_a_tile_of_its_expert(tile):
     rng, msg = seeded_rng()
     ids = rng.integers(-1, E + 1, (T, 3)).astype(np.int32)  # -1 and E: dropped
     ids[:4] = 2  # a crowded expert next to empty ones
-    lay = jax.tree.map(np.asarray, moe_gmm.group_layout(jnp.asarray(ids), E, tile))
+    lay = jax.tree.map(np.asarray, moe_xla.group_layout(jnp.asarray(ids), E, tile))
     flat = ids.reshape(-1)
     P, Np = flat.size, lay.row_pair.size
-    assert Np == moe_gmm.padded_rows(P, E, tile) and Np % tile == 0, msg
+    assert Np == moe_xla.padded_rows(P, E, tile) and Np % tile == 0, msg
     counts = np.bincount(flat[(flat >= 0) & (flat < E)], minlength=E)
     n_rows = int(np.sum(-(-counts // tile) * tile))
     assert lay.n_tiles[0] * tile == n_rows <= Np, msg
@@ -251,7 +227,7 @@ def test_quantized_weights_decoded_in_kernel(kind, dtype):
         want = moe_gmm.reference(x, ids, w, *qs, limit=LIMIT)
         tol = dict(rtol=5e-3, atol=5e-3)  # (measured <= 3e-7: a bf16 flip of h would cost ~1e-3)
     assert_close(moe_gmm.pallas(x, ids, w, *qs, limit=LIMIT, interpret=True), want, msg + " pallas", **tol)
-    assert_close(moe_gmm.xla(x, ids, w, *qs, limit=LIMIT), want, msg + " xla", **tol)
+    assert_close(moe_xla.xla(x, ids, w, *qs, limit=LIMIT), want, msg + " xla", **tol)
 
 
 def test_reference_and_model_experts_agree_with_every_expert_dense():
@@ -282,7 +258,7 @@ def test_xla_hlo_has_no_large_sort_and_no_ragged_dot():
     f = lambda *s: jnp.zeros(s, jnp.float32)
     args = (f(Tq, D), jnp.asarray(rng.integers(0, Eq, (Tq, k)), jnp.int32), f(Tq, k), f(Eq, I, D), f(Eq, I, D),
             f(Eq, D, I))
-    fn = jax.jit(lambda *a: moe_gmm.xla(*a, limit=LIMIT, tile=tile))
+    fn = jax.jit(lambda *a: moe_xla.xla(*a, limit=LIMIT, tile=tile))
     assert "ragged_dot" not in str(jax.make_jaxpr(fn)(*args))
     hlo = fn.lower(*args).compile().as_text()
     ops = lambda name: [ln.split(f" {name}(")[0] for ln in hlo.splitlines() if re.search(rf"\s{name}\(", ln)]
@@ -292,7 +268,7 @@ def test_xla_hlo_has_no_large_sort_and_no_ragged_dot():
         assert max(sizes(head)) <= Tq * k, head
     assert ops("dot")
     for head in ops("dot"):
-        assert np.prod(sizes(head)) <= moe_gmm.TILES_PER_STEP * tile * max(D, I), head
+        assert np.prod(sizes(head)) <= moe_xla.TILES_PER_STEP * tile * max(D, I), head
 
 
 @pytest.mark.parametrize("Eq,C,left", [(8, 48, False), (32, 16, True)])
@@ -305,11 +281,11 @@ def test_xla_batched_form_reads_the_weights_in_place(Eq, C, left):
     dt = jnp.bfloat16 if left else jnp.float32
     f = lambda *s: jnp.zeros(s, dt)
     args = (f(Tq, D), jnp.zeros((Tq, k), jnp.int32), f(Tq, k), f(Eq, I, D), f(Eq, I, D), f(Eq, D, I))
-    assert Tq * k * 3 * I * D * 4 > moe_gmm.GATHER_BYTES
-    assert moe_gmm.batch_capacity(Tq * k, Eq) == C  # 1.5 x the mean rows
-    assert (C <= moe_gmm.SMALL_STEP_MAX_ROWS) == left
+    assert Tq * k * 3 * I * D * 4 > moe_xla.GATHER_BYTES
+    assert moe_xla.batch_capacity(Tq * k, Eq) == C  # 1.5 x the mean rows
+    assert (C <= moe_xla.SMALL_STEP_MAX_ROWS) == left
     form = "batched_left" if left else "rule"
-    hlo = jax.jit(lambda *a: moe_gmm.xla(*a, limit=LIMIT, small_steps=form)).lower(*args).compile().as_text()
+    hlo = jax.jit(lambda *a: moe_xla.xla(*a, limit=LIMIT, small_steps=form)).lower(*args).compile().as_text()
     dots = [ln for ln in hlo.splitlines() if re.search(r"\sdot\(", ln)]
     shapes = [f"f32[{Eq},{I},{C}]", f"f32[{Eq},{D},{C}]"] if left else [f"f32[{Eq},{C},{I}]", f"f32[{Eq},{C},{D}]"]
     batched = [ln for ln in dots if any(s in ln.split("=")[1].split("dot(")[0] for s in shapes)]

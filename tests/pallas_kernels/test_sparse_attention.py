@@ -223,8 +223,8 @@ def test_pallas_fp8_output_matches_reference_cast():
 
 
 def test_reference_agrees_with_model_attention():
-    """Spec reference == dsv41 sparse_attention (+ inverse RoPE) for one request from position 0."""
-    from dsv41.layers.attention import sparse_attention
+    """Spec reference == dsv41 masked_attention (+ inverse RoPE) for one request from position 0."""
+    from dsv41.layers.attention import masked_attention
     from dsv41.layers.indexer import topk_row_mask
     from dsv41.layers.rope import apply_rope
 
@@ -241,7 +241,7 @@ def test_reference_agrees_with_model_attention():
                        jnp.zeros(1, jnp.int32), jnp.arange(nb, dtype=jnp.int32)[None])
     got = sa.reference(q, cos, sin, sink, kv, jnp.zeros((1, W, D)), meta, rows, topk)
     swa_mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - W)
-    o = sparse_attention(apply_rope(q, cos[:, None], sin[:, None]), kv, swa_mask, sink, rows.reshape(-1, D),
+    o = masked_attention(apply_rope(q, cos[:, None], sin[:, None]), kv, swa_mask, sink, rows.reshape(-1, D),
                          topk_row_mask(topk, nb * rpb))
     assert_close(got, apply_rope(o, cos[:, None], sin[:, None], inverse=True), msg)
 

@@ -82,7 +82,7 @@ def compiled_runner(model, **runtime) -> Runner:
     from serving.runtime.config import RuntimeConfig
 
     r = Runner(model, RuntimeConfig(**runtime), progress=False)
-    r.precompile()
+    r.compiler.precompile()
     return r
 
 

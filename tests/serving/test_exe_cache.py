@@ -21,12 +21,14 @@ import numpy as np
 import dsv41
 from serving.runtime import segments
 from serving.runtime.config import RuntimeConfig
-from serving.runtime.runner import Runner, enable_compilation_cache
+from pathlib import Path
+from serving.runtime.exe_cache import ExecutableCacheSettings
+from serving.runtime.runner import Runner
 from tests.serving.driver import Driver
 
 folder, max_num_seqs, out, forbid_tracing = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
 mesh = sys.argv[5] == "1"
-enable_compilation_cache(folder, executables=True)
+settings = ExecutableCacheSettings(Path(folder) / "executables")
 if forbid_tracing:
     def traced(*a, **k):
         raise AssertionError("a segment was traced although its programs and the carry are cached")
@@ -40,17 +42,17 @@ if mesh:  # data parallel 2 x tensor parallel 2
     from sharding.runtime import MeshPlacement
 
     sm = ShardedModel(model, ParallelConfig(tensor_parallel_size=2, data_parallel_size=2))
-    r = Runner(sm, rc, progress=False, placement=MeshPlacement(sm.mesh))
+    r = Runner(sm, rc, progress=False, placement=MeshPlacement(sm.mesh), executable_cache=settings)
 else:
-    r = Runner(model, rc, progress=False)
-r.precompile()
+    r = Runner(model, rc, progress=False, executable_cache=settings)
+r.compiler.precompile()
 d = Driver(r)
 d.start("a", [int(t) for t in np.random.default_rng(0).integers(3, 500, 21)])
 logits = [d.step({"a": 16})["a"], d.step({"a": 5})["a"]]
 d.append("a", int(np.argmax(logits[-1])))
 logits.append(d.step({"a": 1})["a"])
 np.save(out, np.stack(logits))
-print(json.dumps({"hits": r.exe_cache.hits, "misses": r.exe_cache.misses}))
+print(json.dumps({"hits": r.compiler.exe_cache.hits, "misses": r.compiler.exe_cache.misses}))
 """
 
 
@@ -93,15 +95,15 @@ def test_a_mesh_runner_restarts_from_its_programs(tmp_path):
 
 def test_the_folder_keeps_the_most_recently_used_entries_within_its_bound(tmp_path):
     """After a write the least recently used entries go until the rest fit; a load counts as a use."""
-    from serving.runtime.exe_cache import ExecutableCache
+    from serving.runtime.exe_cache import ExecutableCache, ExecutableCacheSettings
 
-    unbounded = ExecutableCache(tmp_path, "runner", max_bytes=None)
+    unbounded = ExecutableCache(ExecutableCacheSettings(tmp_path, max_bytes=None), "runner")
     for n, name in enumerate("abcd"):
         unbounded.put_value(name, b"x" * 10_000)
         os.utime(unbounded._path(f"value {name}"), ns=(n * 10**9, n * 10**9))  # written at t = 0, 1, 2, 3 s
     assert unbounded.get_value("a") == b"x" * 10_000  # a use: now the most recent
     size = unbounded._path("value a").stat().st_size
-    bounded = ExecutableCache(tmp_path, "runner", max_bytes=3 * size + size // 2)
+    bounded = ExecutableCache(ExecutableCacheSettings(tmp_path, max_bytes=3 * size + size // 2), "runner")
     bounded.put_value("e", b"x" * 10_000)
     assert [name for name in "abcde" if bounded.get_value(name) is not None] == ["a", "d", "e"]
     assert sum(p.stat().st_size for p in tmp_path.glob("*.pkl")) <= bounded.max_bytes
@@ -109,10 +111,10 @@ def test_the_folder_keeps_the_most_recently_used_entries_within_its_bound(tmp_pa
 
 def test_a_folder_that_cannot_be_written_warns_and_misses(tmp_path):
     """A cache that cannot store (here its folder is a file) never stops the runner: a warning, then misses."""
-    from serving.runtime.exe_cache import ExecutableCache
+    from serving.runtime.exe_cache import ExecutableCache, ExecutableCacheSettings
 
     (tmp_path / "taken").write_text("a file, not a folder")
-    cache = ExecutableCache(tmp_path / "taken", "runner")
+    cache = ExecutableCache(ExecutableCacheSettings(tmp_path / "taken"), "runner")
     with pytest.warns(UserWarning, match="not written"):
         cache.put_value("carry", 1)
     assert cache.get_value("carry") is None and list(tmp_path.iterdir()) == [tmp_path / "taken"]

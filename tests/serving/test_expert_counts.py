@@ -49,7 +49,7 @@ def test_step_counts_equal_router_counts(model):
     rc = RuntimeConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=48, block_size=BLOCK,
                        token_buckets=(32,), swa_bounded_replay=False)
     runner = Runner(model, rc, progress=False, expert_counts=True)
-    runner.precompile()
+    runner.compiler.precompile()
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(3, c.vocab_size - 1, n)] for n in (13, 6)]
     tables = [list(range(6)), list(range(6, 12))]

@@ -19,9 +19,9 @@ def test_full_config_release_records_match_spec():
 def test_layout_shapes_per_group():
     c = ModelConfig.preset("tiny")
     sh = CacheLayout(c, num_blocks=5, block_size=8, num_slots=3).shapes()
-    assert sorted(sh["rows"]) == [2, 4] and sorted(sh["keys"]) == [2, 4] and sorted(sh["tail"]) == [2]
-    assert sh["rows"][2].shape == (5, 4, 32) and sh["rows"][4].shape == (5, 8, 32) and sh["keys"][4].shape == (5, 8, 16)
-    assert len(sh["swa"]) == 8 and sh["swa"][7].shape == (3, 8, 32)
+    assert sorted(sh.rows) == [2, 4] and sorted(sh.keys) == [2, 4] and sorted(sh.tail) == [2]
+    assert sh.rows[2].shape == (5, 4, 32) and sh.rows[4].shape == (5, 8, 32) and sh.keys[4].shape == (5, 8, 16)
+    assert len(sh.swa) == 8 and sh.swa[7].shape == (3, 8, 32)
 
 
 def test_budget_sizing_and_errors():

@@ -2,13 +2,16 @@
 and prefix hit; replay on == the bounded-semantics reference (dsv41.bounded); batching independence;
 release-format storage; donation; no compilation outside `precompile`."""
 
+import jax
 import numpy as np
 import pytest
 
 import dsv41
 from dsv41.bounded import bounded_logits
 from serving.runtime.config import RuntimeConfig
-from serving.runtime.runner import CompileInServingLoop, Runner
+from serving.runtime.compiler import CompileInServingLoop
+from serving.runtime.runner import Runner
+from serving.runtime.programs import Program
 from tests.full_logits import full_logits
 from tests.serving.driver import Driver, compiled_runner
 
@@ -107,11 +110,10 @@ def test_replay_on_prefix_hit_keeps_cached_blocks(model, bounded):
     plan = d.start("b", second)
     assert (plan.hit_tokens, plan.replay_start, plan.write_floor) == (64, 56, 64)
     hit_blocks = d.bm.block_table("b")[:8]
-    before = {g: {s: np.asarray(a)[hit_blocks].copy() for s, a in bounded.cache[g].items()} for g in ("rows", "keys")}
+    paged = lambda: jax.tree.map(lambda a: np.asarray(a)[hit_blocks], bounded.cache.paged())  # noqa: E731
+    before = paged()
     got = _run(d, "b", [32, 1], decode=1)
-    for g in before:
-        for s, a in before[g].items():
-            assert np.asarray(bounded.cache[g][s])[hit_blocks].tobytes() == a.tobytes(), (g, s)
+    assert all(x.tobytes() == y.tobytes() for x, y in zip(before, paged(), strict=True))
     r = d.reqs["b"]
     ref = bounded_logits(model, np.array(r.tokens), chunks=r.schedule, hit_tokens=64, replay_start=56)
     assert _max_err(got, ref) <= TOL
@@ -139,11 +141,11 @@ def test_release_records_are_lossless_with_fake_quant(model):
     outs = []
     for fmt in ("auto", "release"):
         r = Runner(model, RuntimeConfig(**RC, kv_cache_dtype=fmt, fake_quant=True), progress=False)
-        r.precompile([("seg1", 8), ("seg2", 8)])
+        r.compiler.precompile([Program.SEGMENT1.at(8), Program.SEGMENT2.at(8)])
         d = Driver(r)
         d.start("a", _prompt(10, 30))
         outs.append(_run(d, "a", [8, 8, 8, 6]))
-    assert r.layout.report()["format"] == "release" and r.cache["rows"][4].dtype == np.uint8
+    assert r.layout.report()["format"] == "release" and r.cache.rows[4].dtype == np.uint8
     for p in outs[0]:
         np.testing.assert_allclose(outs[0][p], outs[1][p], atol=TOL, rtol=0)
 
@@ -151,9 +153,9 @@ def test_release_records_are_lossless_with_fake_quant(model):
 def test_cache_is_donated_in_place(exact):
     d = Driver(exact)
     d.start("a", _prompt(11, 9))
-    ptr = exact.cache["swa"][0].unsafe_buffer_pointer()
+    ptr = exact.cache.swa[0].unsafe_buffer_pointer()
     d.step({"a": 9})
-    assert exact.cache["swa"][0].unsafe_buffer_pointer() == ptr
+    assert exact.cache.swa[0].unsafe_buffer_pointer() == ptr
 
 
 def test_unprecompiled_bucket_is_an_error(model):
@@ -162,9 +164,9 @@ def test_unprecompiled_bucket_is_an_error(model):
     d.start("a", _prompt(12, 5))
     with pytest.raises(CompileInServingLoop, match="not precompiled"):
         d.step({"a": 5})
-    with pytest.raises(ValueError, match=r"\('seg1', 4\)\] are not among"):  # 4 is not a token bucket: never run
-        r.precompile([("seg1", 8), ("seg1", 4)])
-    assert r.compiled_keys == []  # refused before compiling anything
+    with pytest.raises(ValueError, match=r"segment1\[4\]\] are not among"):  # 4 is not a token bucket: never run
+        r.compiler.precompile([Program.SEGMENT1.at(8), Program.SEGMENT1.at(4)])
+    assert r.compiler.compiled_keys == []  # refused before compiling anything
 
 
 def test_bfloat16_on_a_cpu_never_runs_a_one_row_step(model):
@@ -182,12 +184,12 @@ def cache_copies(runner, keys) -> list[str]:
     with nothing ordering the two makes XLA copy the whole ring every step to keep the old one readable."""
     import re
 
-    return [m for key in keys for m in re.findall(r"= \S+ copy\(%cache__[^)]*\)", runner.compiled_text(key))]
+    return [m for key in keys for m in re.findall(r"= \S+ copy\(%cache_[^)]*\)", runner.compiler.compiled_text(key))]
 
 
 def test_cache_is_updated_in_place(exact):
     """SWA rings and ratio-2 tails: written after the attention / pooling has read them, so in place."""
-    assert cache_copies(exact, [("seg1", 8), ("seg2", 8), ("seg1", 32), ("seg2", 32)]) == []
+    assert cache_copies(exact, [p.at(n) for n in (8, 32) for p in (Program.SEGMENT1, Program.SEGMENT2)]) == []
 
 
 def test_segments_compile_to_topk_without_sort(exact):
@@ -197,8 +199,8 @@ def test_segments_compile_to_topk_without_sort(exact):
     import re
 
     K = exact.config.candidate_topk_blocks
-    for key in (("seg1", 32), ("seg2", 32)):
-        hlo = exact.compiled_text(key)
+    for key in (Program.SEGMENT1.at(32), Program.SEGMENT2.at(32)):
+        hlo = exact.compiler.compiled_text(key)
         assert re.search(r"TopK", hlo, re.IGNORECASE), key
         for shape, dim in re.findall(r"\[([\d,]+)\][^ ]* sort\(.*?dimensions=\{(\d+)\}", hlo):
             n = int(shape.split(",")[int(dim)])
@@ -265,7 +267,7 @@ def test_model_without_candidate_blocks_runs(model):
     """A V4.1 config with no candidate source (every index source scores all visible rows) builds and runs."""
     m = dsv41.Model(model.config.replace(candidate_source_layer_id=None), model.params)
     r = Runner(m, RuntimeConfig(**{**RC, "token_buckets": (32,)}, swa_bounded_replay=False), progress=False)
-    r.precompile([("seg1", 32), ("seg2", 32)])
+    r.compiler.precompile([Program.SEGMENT1.at(32), Program.SEGMENT2.at(32)])
     d = Driver(r)
     d.start("a", _prompt(15, 30))
     got = _run(d, "a", [30])
@@ -279,7 +281,7 @@ def test_head_runs_on_at_most_the_kept_rows_of_requests(model):
 
     S, V = 16, model.config.vocab_size
     r = Runner(model, RuntimeConfig(**{**RC, "max_num_seqs": S, "token_buckets": (2, 8, 32)}), progress=False)
-    jaxpr = r.trace(("seg2", 2))
+    jaxpr = r.compiler.trace(Program.SEGMENT2.at(2))
     shapes = [tuple(e.outvars[0].aval.shape) for e in equations(jaxpr) if e.primitive.name == "dot_general"]
     assert (2, V) in shapes and (S, V) not in shapes, shapes
     assert (S, V) in [tuple(a.shape) for a in jaxpr.out_avals]  # the logits
@@ -295,7 +297,7 @@ def test_prompt_logprobs_run_the_head_a_group_of_rows_at_a_time(model, monkeypat
     monkeypatch.setattr(segments, "PROMPT_LOGPROB_ROWS", 12)
     r = compiled_runner(model, **{**RC, "token_buckets": (32,)}, swa_bounded_replay=True)
     V = model.config.vocab_size
-    hlo = r.compiled_text(("seg2", 32))
+    hlo = r.compiler.compiled_text(Program.SEGMENT2.at(32))
     assert f"f32[12,{V}]" in hlo and f"f32[32,{V}]" not in hlo
     d = Driver(r)
     prompt = _prompt(15, 31)

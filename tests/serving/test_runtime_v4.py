@@ -3,6 +3,7 @@ overlapping windows) and HCA (ratio 128) global KV written as windows close from
 the V4 indexer, hash-routed layers and hc_head. Replay off == the exact full-sequence forward for any chunking,
 decode and prefix hit; replay on == the bounded reference; nothing is trimmed (no CED cut)."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -11,6 +12,7 @@ from dsv41.bounded import bounded_logits
 from dsv41.config import load_config
 from serving.runtime.config import RuntimeConfig
 from serving.runtime.runner import Runner
+from serving.runtime.programs import Program
 from tests.full_logits import full_logits
 from tests.serving.driver import Driver, compiled_runner
 from tests.serving.test_runtime import TOL, _max_err, _run, cache_copies
@@ -55,14 +57,14 @@ def test_layout_of_a_v4_cache(model, exact):
     assert [r.attn_kind for r in c.roles] == ["swa", "csa", "hca", "csa"] and c.roles[0].hash_routed
     assert exact.layout.block_size == 128  # the default: whole ratio-128 rows per block
     sh = exact.layout.shapes()
-    assert sorted(sh["rows"]) == [1, 2, 3] and sorted(sh["keys"]) == [1, 3] and not sh["tail"]
-    assert sh["pool"][1].shape == (4, 8, 2, 2 * c.head_dim) and sh["pool"][2].shape == (4, 128, 2, c.head_dim)
-    assert sh["index_pool"][3].shape == (4, 8, 2, 2 * c.index_head_dim) and 2 not in sh["index_pool"]
+    assert sorted(sh.rows) == [1, 2, 3] and sorted(sh.keys) == [1, 3] and not sh.tail
+    assert sh.pool[1].shape == (4, 8, 2, 2 * c.head_dim) and sh.pool[2].shape == (4, 128, 2, c.head_dim)
+    assert sh.index_pool[3].shape == (4, 8, 2, 2 * c.index_head_dim) and 2 not in sh.index_pool
 
 
 def test_cache_is_updated_in_place(exact):
     """SWA rings and the compressors' rings of raw rows (HCA's holds 128 positions a slot)."""
-    assert cache_copies(exact, [("seg1", 8), ("seg2", 8), ("seg1", 64), ("seg2", 64)]) == []
+    assert cache_copies(exact, [p.at(n) for n in (8, 64) for p in (Program.SEGMENT1, Program.SEGMENT2)]) == []
 
 
 @pytest.mark.parametrize("chunks", [[64, 64, 64, 64, 44], [7] * 43, [1] * 9 + [64] * 4 + [35], [13] * 23 + [1]])
@@ -119,11 +121,10 @@ def test_replay_on_prefix_hit_equals_bounded_reference(model, bounded):
     plan, _ = _hit(d, 6, 300, 50)
     assert (plan.hit_tokens, plan.replay_start, plan.write_floor) == (256, 248, 256)
     hit_blocks = d.bm.block_table("b")[:2]
-    before = {g: {s: np.asarray(a)[hit_blocks].copy() for s, a in bounded.cache[g].items()} for g in ("rows", "keys")}
+    paged = lambda: jax.tree.map(lambda a: np.asarray(a)[hit_blocks], bounded.cache.paged())  # noqa: E731
+    before = paged()
     got = _run(d, "b", [9, 40, 9], decode=2)
-    for g in before:
-        for s, a in before[g].items():
-            assert np.asarray(bounded.cache[g][s])[hit_blocks].tobytes() == a.tobytes(), (g, s)
+    assert all(x.tobytes() == y.tobytes() for x, y in zip(before, paged(), strict=True))
     r = d.reqs["b"]
     ref = bounded_logits(model, np.array(r.tokens), chunks=r.schedule, hit_tokens=256, replay_start=248,
                          decoder_replay=False)
@@ -136,14 +137,16 @@ def test_background_compile_serves_padded_until_its_bucket_is_ready(model):
     """precompile(background=True) returns once the largest buckets are compiled: a 3-token step runs padded to
     them, then on its own bucket once the background thread is done - the same logits either way."""
     r = Runner(model, RuntimeConfig(**RC, swa_bounded_replay=False), progress=False)
-    r.precompile(background=True)
-    assert set(r.essential_keys()) <= set(r.compiled_keys) and r.essential_keys()[0] == ("seg1", 64)
+    compiler = r.compiler
+    compiler.precompile(background=True)
+    assert set(compiler.essential_keys()) <= set(compiler.compiled_keys)
+    assert compiler.essential_keys()[0] == Program.SEGMENT1.at(64)
     d = Driver(r)
     d.start("a", _prompt(8, 6))
     early = d.step({"a": 3})["a"]  # whichever compiled bucket >= 3 is ready now (64 at the latest)
-    r._background.join()
-    assert r.background_done and set(r.compiled_keys) == set(r.bucket_keys())
-    assert r._bucket("seg1", 3, r.buckets.tokens) == 8
+    compiler._background.join()
+    assert compiler.background_done and set(compiler.compiled_keys) == set(compiler.bucket_keys())
+    assert compiler.fit(Program.SEGMENT1, 3, r.buckets.tokens) == 8
     late = d.step({"a": 3})["a"]
     ref = full_logits(model, d.reqs["a"].tokens)
     assert max(float(np.abs(early - ref[2]).max()), float(np.abs(late - ref[5]).max())) <= TOL

@@ -16,8 +16,8 @@ V = 300
 
 def _run(logits, params, positions=None):
     p = sampling_arrays(params, positions or [0] * len(params), len(params), default_seed=0)
-    tok, lp, _, _ = jax.jit(sample, static_argnames="max_top_k")(jnp.asarray(logits), p, max_top_k=64)
-    return np.asarray(tok), np.asarray(lp)
+    out = jax.jit(sample, static_argnames="max_top_k")(jnp.asarray(logits), p, max_top_k=64)
+    return np.asarray(out.tokens_R), np.asarray(out.logprob_R)
 
 
 def test_greedy_and_logprob():
@@ -33,12 +33,14 @@ def test_top_logprobs_are_the_most_likely_tokens():
     logits = np.random.default_rng(3).standard_normal((3, V)).astype(np.float32)
     f = jax.jit(sample, static_argnames="max_top_k")
     asks = [SamplingParams(temperature=0.8, seed=1, logprobs=2)] + [SamplingParams(temperature=0.8, seed=1)] * 2
-    _, _, ids, lp = f(jnp.asarray(logits), sampling_arrays(asks, [0] * 3, 3, 0), max_top_k=64)
+    out = f(jnp.asarray(logits), sampling_arrays(asks, [0] * 3, 3, 0), max_top_k=64)
+    ids, lp = out.top_ids_RL, out.top_logprobs_RL
     ref = logits - np.log(np.exp(logits).sum(1, keepdims=True))  # the unscaled model distribution
     order = np.argsort(-logits, axis=1)[:, :MAX_LOGPROBS]
     np.testing.assert_array_equal(np.asarray(ids), order)
     np.testing.assert_allclose(np.asarray(lp), np.take_along_axis(ref, order, 1), rtol=1e-5)
-    _, _, ids, lp = f(jnp.asarray(logits), sampling_arrays(asks[1:] + asks[1:2], [0] * 3, 3, 0), max_top_k=64)
+    out = f(jnp.asarray(logits), sampling_arrays(asks[1:] + asks[1:2], [0] * 3, 3, 0), max_top_k=64)
+    ids, lp = out.top_ids_RL, out.top_logprobs_RL
     assert not np.asarray(ids).any() and not np.asarray(lp).any()
 
 
@@ -72,7 +74,7 @@ def test_sample_rows_samples_each_ranks_first_rows_as_the_full_call():
     part = jax.jit(sample_rows, static_argnames=("rows", "ranks", "max_top_k"))(logits, p, rows=2, ranks=2,
                                                                                  max_top_k=64)
     first = np.asarray([0, 1, 4, 5])
-    for got, want in zip(part, full):
+    for got, want in zip(jax.tree.leaves(part), jax.tree.leaves(full), strict=True):
         got, want = np.asarray(got), np.asarray(want)
         np.testing.assert_array_equal(got[first], want[first])
         assert not np.delete(got, first, axis=0).any()
@@ -134,8 +136,8 @@ def test_banned_ids_are_never_sampled_and_logprobs_stay_raw():
               SamplingParams(temperature=1.0, top_k=1, seed=4), None]
     banned = [[int(top2[0, 0])], [int(top2[1, 0]), int(top2[1, 1])], [int(top2[2, 0])], []]
     p = sampling_arrays(params, [0] * 4, 4, 0, banned=banned)
-    tok, lp, _, _ = jax.jit(sample, static_argnames="max_top_k")(jnp.asarray(logits), p, max_top_k=64)
-    tok = np.asarray(tok)
+    out = jax.jit(sample, static_argnames="max_top_k")(jnp.asarray(logits), p, max_top_k=64)
+    tok, lp = np.asarray(out.tokens_R), out.logprob_R
     assert tok[0] == top2[0, 1] and tok[2] == top2[2, 1] and tok[1] not in banned[1] and tok[3] == top2[3, 0]
     ref = logits - np.log(np.exp(logits).sum(1, keepdims=True))
     np.testing.assert_allclose(np.asarray(lp), ref[np.arange(4), tok], rtol=1e-5)

@@ -6,11 +6,7 @@ bad input (4xx naming the problem; the server keeps serving), the API key, trace
 import asyncio
 import gzip
 import json
-import os
 import re
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,48 +21,20 @@ from serving.api.server import build_app
 from serving.engine.trace_report import read_trace
 from serving.text.encoding import encode_messages_to_ids
 from serving.text.tokenizer import byte_level_tokenizer
-from tests.conftest import HANG_TIMEOUT_S, XLA_CACHE
+from tests.serving.server_process import running_server
 
 KEY = "test-key"
-ROOT = Path(__file__).resolve().parents[2]
 TOK = byte_level_tokenizer(512)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = _free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [sys.executable, "-m", "serving.server", "--model", "tiny", "--port", str(port), "--api-key", KEY, "--max-num-seqs", "8",
-           "--max-num-batched-tokens", "64", "--max-model-len", "2048", "--block-size", "16",
-           "--token-buckets", "8,16,32,64", "--no-background-compile",
-           "--disable-access-log", "--max-request-body-bytes", "200000",
-           "--compilation-cache-dir", str(XLA_CACHE), "--profile-dir", str(tmp_path_factory.mktemp("traces"))]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONPATH": str(ROOT)})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + HANG_TIMEOUT_S
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    else:
-        proc.kill()
-        pytest.fail(f"server not ready:\n{log.read_text()[-3000:]}")
-    yield url
-    proc.terminate()
-    proc.wait(30)
+    args = ["--model", "tiny", "--api-key", KEY, "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
+            "--max-model-len", "2048", "--block-size", "16", "--token-buckets", "8,16,32,64", "--no-background-compile",
+            "--disable-access-log", "--max-request-body-bytes", "200000",
+            "--profile-dir", str(tmp_path_factory.mktemp("traces"))]
+    with running_server(args, tmp_path_factory.mktemp("server") / "server.log") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from serving.api.server import ServerArgs
 from serving.engine.args import EngineArgs, field_names, flag_name
 from serving.model_source import ModelArgs
 from serving.server import ServeArgs, parse_args, parser
+from serving.text.template_kwargs import ChatTemplateKwargs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,6 +22,8 @@ FULL = ["--model", "small", "--served-model-name", "m", "--dtype", "bfloat16", "
         "--host", "0.0.0.0", "--port", "9000", "--api-key", "k", "--max-request-body-bytes", "1000",
         "--compilation-cache-dir", "", "--compilation-cache-max-gb", "2", "--no-background-compile",
         "--no-keep-host-memory", "--disable-access-log", "--log-level", "debug", "--profile-dir", "traces",
+        "--default-chat-template-kwargs", '{"thinking": false}', "--responses-store-max-entries", "8",
+        "--responses-store-max-bytes", "4096",
         "--max-num-seqs", "16", "--max-num-batched-tokens", "256", "--max-model-len", "2048", "--block-size", "16",
         "--kv-cache-dtype", "release", "--kv-cache-memory", "1000000", "--no-swa-bounded-replay", "--tile", "4",
         "--fake-quant", "--max-top-k", "64", "--seed", "7", "--token-buckets", "8,16,256", "--kernel-impl", "xla",
@@ -42,7 +45,9 @@ def _sections() -> dict[str, type]:
 def test_a_full_command_line_parses_into_the_sections_and_back():
     got = parse_args(FULL)
     assert got.model == ModelArgs("small", "m", "bfloat16", engram_cpu_offload=False)
-    assert got.server == ServerArgs("0.0.0.0", 9000, "k", 1000, "", 2, False, False, True, "debug", "traces")
+    assert got.server == ServerArgs("0.0.0.0", 9000, "k", 1000, "", 2, False, False, True, "debug", "traces",
+                                    '{"thinking": false}', 8, 4096)
+    assert got.server.chat_template_defaults == ChatTemplateKwargs(thinking=False)
     assert got.engine == EngineArgs.of(
         max_num_seqs=16, max_num_batched_tokens=256, max_model_len=2048, block_size=16, kv_cache_dtype="release",
         kv_cache_memory=1000000, swa_bounded_replay=False, tile=4, fake_quant=True, max_top_k=64, seed=7,
@@ -107,6 +112,11 @@ def test_help_lists_every_flag_once_grouped_by_section():
     (["--num-cpu-devices", "0"], "--num-cpu-devices", "num_cpu_devices must be >= 1"),
     (["--speculative-config", '{"method": "eagle"}'], "--speculative-config", "method 'eagle'"),
     (["--speculative-config", "{5"], "--speculative-config", "not valid JSON"),
+    (["--default-chat-template-kwargs", "{5"], "--default-chat-template-kwargs", "not valid JSON"),
+    (["--default-chat-template-kwargs", '{"think": false}'], "--default-chat-template-kwargs", "unknown key(s)"),
+    (["--default-chat-template-kwargs", '{"reasoning_effort": 0}'], "--default-chat-template-kwargs",
+     "reasoning_effort: must be"),
+    (["--responses-store-max-entries", "0"], "--responses-store-max-entries", "must be >= 1"),
 ])
 def test_bad_values_are_usage_errors_naming_the_flag(capsys, argv, flag, message):
     with pytest.raises(SystemExit) as exit_:

@@ -11,12 +11,12 @@ from scipy import stats
 import dsv41
 from dsv41.dspark import draft_base_logits, draft_hidden
 from dsv41.model import forward_hidden
-from serving.runtime import kv_cache
 from serving.runtime.batch import SeqChunk
 from serving.runtime.config import RuntimeConfig
 from serving.runtime.runner import Runner
 from serving.runtime.sampling_params import SamplingParams
 from serving.runtime.speculative import SpeculativeConfig, verify
+from serving.runtime.programs import Program
 
 GREEDY = SamplingParams(temperature=0.0)
 K = 3  # tiny's DSpark block
@@ -33,7 +33,7 @@ def runner(model):
                        token_buckets=(4, 32), swa_bounded_replay=False, speculative_config='{"method": "dspark"}')
     r = Runner(model, rc, progress=False)
     # what the tests run: one speculative request per step (the batched verify steps are the engine tests')
-    r.precompile([("seg1", 4), ("seg1", 32), ("seg2", 4), ("seg2", 32), ("snapshot", 1), ("spec", 1)])
+    r.compiler.precompile([Program.SEGMENT1.at(4), Program.SEGMENT1.at(32), Program.SEGMENT2.at(4), Program.SEGMENT2.at(32), Program.SPEC_SNAPSHOT.at(1), Program.SPEC_FINISH.at(1)])
     return r
 
 
@@ -72,7 +72,7 @@ def test_rejection_rolls_every_cache_back_and_greedy_output_is_exact(runner, pro
     runner.step([_chunk(prompt, 0, prompt_len)], [GREEDY])
     after_prefill = _state(runner)
     ref = _greedy_run(runner, prompt, 1 + K + 1)  # t1 and what follows it
-    assert runner.cache["tail"], "tiny has ratio-2 KV sources: their tails are part of the check"
+    assert runner.cache.tail, "tiny has ratio-2 KV sources: their tails are part of the check"
     toks = prompt + ref[:1]
     P = prompt_len  # position of t1, the verified block's first row
     for n in range(K + 1):  # accept n drafts: the first n are right, the next is wrong
@@ -86,15 +86,9 @@ def test_rejection_rolls_every_cache_back_and_greedy_output_is_exact(runner, pro
         _set_state(runner, after_prefill)
         runner.step([_chunk(toks + ref[1:1 + n], P, P + 1 + n)], [GREEDY])
         plain = _state(runner)[0]
-        for path, a in jax.tree_util.tree_leaves_with_path(spec):
-            b = _at(plain, path)
+        assert jax.tree.structure(spec) == jax.tree.structure(plain)
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(spec), jax.tree.leaves(plain), strict=True):
             assert a.tobytes() == b.tobytes(), f"n={n}: cache {jax.tree_util.keystr(path)} differs after rollback"
-
-
-def _at(tree, path):
-    for k in path:
-        tree = tree[k.key]
-    return tree
 
 
 def test_draft_context_and_proposal_match_the_drafter_reference(model, runner):
@@ -109,7 +103,7 @@ def test_draft_context_and_proposal_match_the_drafter_reference(model, runner):
     ctx = ds.context_kv(main_x, np.arange(len(prompt)))
     W = c.sliding_window
     for i, rows in enumerate(ctx):  # the ring holds the last W positions' context rows
-        ring = np.asarray(kv_cache.decode(runner.layout, "swa", runner.cache["draft"][i][1]))
+        ring = np.asarray(runner.layout.swa_format.decode(runner.cache.draft[i][1]))
         for p in range(len(prompt) - W, len(prompt)):
             np.testing.assert_allclose(ring[p % W], np.asarray(rows[p]), atol=1e-5)
     h = draft_hidden(ds, model.module.embed, np.array([anchor] + [c.dspark_noise_token_id] * (K - 1)),
@@ -203,7 +197,7 @@ def test_served_rejection_sampling_matches_the_model_distribution():
     r = Runner(model, RuntimeConfig(max_num_seqs=R, max_num_batched_tokens=128, max_model_len=32, block_size=8,
                                     token_buckets=(128,), swa_bounded_replay=False,
                                     speculative_config='{"method": "dspark"}'), progress=False)
-    r.precompile([("seg1", 128), ("seg2", 128), ("snapshot", R), ("spec", R)])  # the steps of R requests
+    r.compiler.precompile([Program.SEGMENT1.at(128), Program.SEGMENT2.at(128), Program.SPEC_SNAPSHOT.at(R), Program.SPEC_FINISH.at(R)])  # the steps of R requests
     prompt = [3, 7, 11]
     pairs = []
     for batch in range(50):

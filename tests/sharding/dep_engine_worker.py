@@ -34,7 +34,7 @@ def main() -> None:
     from serving.engine.args import EngineArgs
     from serving.engine.engine import Engine
     from serving.runtime.kv_cache import smallest_block_size
-    from serving.runtime.runner import enable_compilation_cache
+    from serving.runtime.compiler import enable_compilation_cache
     from serving.runtime.sampling_params import SamplingParams
 
     if jax.device_count() < 8:
@@ -57,7 +57,7 @@ def main() -> None:
     args = base.replace(data_parallel_size=8, enable_expert_parallel=True, enable_eplb=True, eplb_window_size=WINDOW,
                         eplb_step_interval=INTERVAL, eplb_num_redundant_experts=c.n_routed_experts)
     eng = Engine(model, None, args, progress=False)  # DEP8: the engine shards the model on the 8 devices
-    compiled_before = sorted(map(str, eng.runner.compiled_keys))
+    compiled_before = sorted(map(str, eng.runner.compiler.compiled_keys))
     placements = [eng.eplb.state.placement.phys_to_log.tolist()]
     rearranged_at = []
     n_steps = 0
@@ -86,7 +86,7 @@ def main() -> None:
                       "balancedness": eng.eplb.state.balancedness(),
                       "before_after": [eng.eplb.state.last_balancedness_before,
                                        eng.eplb.state.last_balancedness_after],
-                      "compiled_before": compiled_before, "compiled_after": sorted(map(str, eng.runner.compiled_keys)),
+                      "compiled_before": compiled_before, "compiled_after": sorted(map(str, eng.runner.compiler.compiled_keys)),
                       "runner_runs_model_leaves": all(a is b for a, b in zip(eng.runner.param_leaves, eng.model.leaves())),
                       "metrics": metrics}))
 

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from serving.runtime.programs import Program
 
 LAYOUTS = {  # name -> (tensor_parallel_size, data_parallel_size, enable_expert_parallel, expert_parallel_size)
     "tp4": (4, 1, False, None),
@@ -109,7 +110,7 @@ def main() -> None:
             res["decode_vs_one_device_runtime"] = float(np.abs(got - one_device_runtime).max())
             if ref_dispatch is not None:
                 res["decode_vs_one_device_dispatch"] = float(np.abs(got - ref_dispatch[PROMPT - 1:]).max())
-            res["cache_spec"] = str(runner.cache["swa"][0].sharding.spec)
+            res["cache_spec"] = str(runner.cache.swa[0].sharding.spec)
         if name in args.dp_batches.split(","):
             res["dp_batches"] = dp_batches_check(model, sm, rc, runner)
         if args.release:
@@ -127,7 +128,7 @@ def _runtime_session(runner, tokens: list[int]) -> list[np.ndarray]:
     """One prefill chunk of PROMPT tokens, then teacher-forced decode steps: each step's logits."""
     from tests.serving.driver import Driver
 
-    runner.precompile([("seg1", PROMPT), ("seg2", PROMPT)])
+    runner.compiler.precompile([Program.SEGMENT1.at(PROMPT), Program.SEGMENT2.at(PROMPT)])
     d = Driver(runner)
     d.start("a", tokens[:PROMPT])
     got = [d.step({"a": PROMPT})["a"]]
@@ -177,7 +178,7 @@ def dp_batches_check(model, sm, rc, runner=None) -> dict:
     else:  # the decode check's runner, its steps already compiled: a cache of zeros, as a new runner has
         runner.cache = runner.fresh_cache()
     ranks = runner.ranks
-    runner.precompile([("seg1", PROMPT), ("seg2", PROMPT)])  # the one bucket: the 3-row decode steps pad to it
+    runner.compiler.precompile([Program.SEGMENT1.at(PROMPT), Program.SEGMENT2.at(PROMPT)])  # the one bucket: the 3-row decode steps pad to it
     rng = np.random.default_rng(5)
     reqs = {"a": (0, 11), "b": (ranks - 1, 16), "c": (ranks - 1, 5)}  # name -> (rank, prompt length)
     tokens = {n: [int(t) for t in rng.integers(3, model.config.vocab_size - 1, L + DECODE)]
@@ -196,7 +197,7 @@ def dp_batches_check(model, sm, rc, runner=None) -> dict:
     for n, (_, L) in reqs.items():  # the references at the single-request check's length: no new length compiled
         ref = full_logits(model, tokens[n], length=PROMPT + DECODE)[L - 1:]
         err[n] = float(np.abs(np.stack(got[n]) - ref).max())
-    swa = np.asarray(runner.cache["swa"][0]).reshape(ranks, rc.max_num_seqs, -1)
+    swa = np.asarray(runner.cache.swa[0]).reshape(ranks, rc.max_num_seqs, -1)
     written = sorted((int(r), int(s)) for r, s in zip(*np.nonzero(np.abs(swa).max(axis=-1))))
     held = sorted((d.reqs[n].rank, d.reqs[n].slot) for n in reqs)
     return {"max_abs_err": err, "ranks": ranks, "kv_written_rank_slot": written, "requests_rank_slot": held}

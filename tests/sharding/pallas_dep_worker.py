@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+from serving.runtime.programs import Program
 
 PROMPT, DECODE = 12, 2
 
@@ -28,6 +29,7 @@ def main() -> None:
     import jax
 
     import dsv41
+    from pallas_kernels.kernel_config import KernelConfig
     from serving.runtime.kv_cache import smallest_block_size
     from serving.runtime.config import RuntimeConfig
     from serving.runtime.runner import Runner
@@ -46,7 +48,7 @@ def main() -> None:
     sm = ShardedModel(model, ParallelConfig(tensor_parallel_size=2, data_parallel_size=2,
                                             enable_expert_parallel=True))
     runner = Runner(sm, rc, progress=False, placement=MeshPlacement(sm.mesh))
-    runner.precompile([("seg1", 16), ("seg2", 16)])
+    runner.compiler.precompile([Program.SEGMENT1.at(16), Program.SEGMENT2.at(16)])
     tokens = [int(t) for t in np.random.default_rng(0).integers(3, c.vocab_size - 1, PROMPT + DECODE)]
     d = Driver(runner)
     d.start("a", tokens[:PROMPT], rank=1)
@@ -54,9 +56,8 @@ def main() -> None:
     for t in tokens[PROMPT:]:
         d.append("a", t)
         got.append(d.step({"a": 1})["a"])
-    seg2 = runner.trace(("seg2", 16))
-    model.set_kernel_impl("reference")
-    ref = model.logits(np.array(tokens))[PROMPT - 1:]
+    seg2 = runner.compiler.trace(Program.SEGMENT2.at(16))
+    ref = model.with_kernels(KernelConfig(impl="reference")).logits(np.array(tokens))[PROMPT - 1:]
     print(json.dumps({"max_abs_err": float(np.abs(np.stack(got) - ref).max()), "ranks": runner.ranks,
                       "heads": c.num_attention_heads, "sparse_mla_heads_in_seg2": kernel_heads(seg2, "sparse_mla"),
                       "layers_in_seg2": c.num_hidden_layers - c.cut_layer}))

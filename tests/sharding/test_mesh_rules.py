@@ -94,12 +94,11 @@ def test_fallback_replicates_and_is_listed():
 
 def test_cache_rules():
     mesh = _mesh(ParallelConfig(1, 8, True))
-    sh = {"swa": {0: AbstractShape((8, 8, 32))}, "rows": {2: AbstractShape((64, 4, 32))},
-          "keys": {2: AbstractShape((64, 4, 16))}, "tail": {2: AbstractShape((8, 2, 32))}}
-    specs = {g: {k: rules.to_spec(mesh, rules.CACHE_RULES[g], a.shape) for k, a in v.items()} for g, v in sh.items()}
-    assert all(s == P(("dp_ep",), None, None) for v in specs.values() for s in v.values())
+    shapes = [(8, 8, 32), (64, 4, 32), (64, 4, 16), (8, 2, 32), (8, 128, 2, 64)]
+    specs = [rules.to_spec(mesh, rules.cache_logical(len(s)), s) for s in shapes]
+    assert specs == [P(("dp_ep",), *(None,) * (len(s) - 1)) for s in shapes]  # slots / blocks split over the ranks
     tp_mesh = _mesh(ParallelConfig(4))
-    assert rules.to_spec(tp_mesh, rules.CACHE_RULES["rows"], (64, 4, 32)) == P(None, None, None)  # replicated
+    assert rules.to_spec(tp_mesh, rules.cache_logical(3), (64, 4, 32)) == P(None, None, None)  # replicated
 
 
 class AbstractShape:

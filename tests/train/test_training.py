@@ -11,7 +11,7 @@ pytest.importorskip("optax", reason="training needs the train extra: pip install
 
 from dsv41.config import ModelConfig
 from dsv41.dspark import draft_hidden
-from dsv41.layers.attention import sparse_attention
+from dsv41.layers.attention import masked_attention
 from dsv41.model import forward, window_mask
 from dsv41.train.config import TrainConfig
 from dsv41.train.drafter import draft_hidden_batch
@@ -70,7 +70,7 @@ def test_resume_from_checkpoint_repeats_the_uninterrupted_run(reference_run, tmp
         _run(tmp_path, TrainConfig(**{**TC.__dict__, "learning_rate": 1e-4}))
 
 
-def test_window_attention_is_sparse_attention():
+def test_window_attention_is_masked_attention():
     rng = np.random.default_rng(1)
     T, H, d, N, W = 37, 2, 8, 18, 8
     q, kv, rows = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((T, H, d), (T, d), (N, d)))
@@ -80,7 +80,7 @@ def test_window_attention_is_sparse_attention():
     for t in range(T):
         mask[t, idx[t][idx[t] >= 0]] = True
     sink = jnp.asarray(rng.standard_normal(H), jnp.float32)
-    ref = jax.jit(sparse_attention)(q, kv, window_mask(jnp.arange(T), W), sink, rows, jnp.asarray(mask))
+    ref = jax.jit(masked_attention)(q, kv, window_mask(jnp.arange(T), W), sink, rows, jnp.asarray(mask))
     got = jax.jit(window_attention, static_argnums=3)(q, kv, sink, W, rows, jnp.asarray(idx, jnp.int32))
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-6)
 

@@ -1,6 +1,7 @@
-"""The routing benchmark's simulation: its prefix cache and the comparison of prefix-hit rates per policy."""
+"""The routing benchmark's simulation: its prefix cache and the comparison of prefix-hit rates per policy; the
+result both routing benchmarks report (`dp_engine` too)."""
 
-from serving.bench.dp_router import PrefixCacheSim, simulate
+from serving.bench.dp_router import PrefixCacheSim, routing_result, simulate
 
 
 def test_prefix_cache_sim_longest_prefix():
@@ -18,3 +19,9 @@ def test_benchmark_sticky_keeps_sessions_and_hits_more():
     assert sticky["prefix_hit_rate"] > load["prefix_hit_rate"]
     by_prefix = simulate("sticky", use_session_header=False, **kw)
     assert by_prefix["mean_session_stickiness"] >= 0.95
+
+
+def test_routing_result_hit_rate_and_stickiness():
+    r = routing_result("sticky", 30, 120, [[0, 0, 0, 1], [1, 1], [2, 2, 2]], moved=2)
+    assert r == {"policy": "sticky", "prefix_hit_rate": 0.25, "mean_session_stickiness": (0.75 + 1 + 1) / 3,
+                 "sessions_with_95pct_turns_on_one_rank": 2 / 3, "sticky_moves_when_saturated": 2}

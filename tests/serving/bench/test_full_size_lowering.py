@@ -4,7 +4,8 @@ path) and v41-flash's TP4 steps in the release formats."""
 
 import pytest
 
-from serving.bench.full_size_lowering import report, stablehlo_collectives
+from serving.bench.full_size_lowering import report
+from serving.bench.hlo_text import stablehlo_collectives
 from sharding.mesh import ParallelConfig
 
 SHLO = """
@@ -48,7 +49,7 @@ def test_tiny_steps_compile_on_cpu_devices():
     r = report("tiny", ParallelConfig(), weights="release", prefill_tokens=16, decode_batch=4, compile=True)
     assert r["platform"] == "cpu"
     for step in r["steps"].values():
-        assert set(step["compile_s"]) == {"seg1", "seg2"} and all(s > 0 for s in step["compile_s"].values())
+        assert set(step["compile_s"]) == {"segment1", "segment2"} and all(s > 0 for s in step["compile_s"].values())
     with pytest.raises(ValueError, match="16 devices needed"):
         report("tiny", ParallelConfig(1, 16, True), prefill_tokens=16, decode_batch=4, compile=True)
 

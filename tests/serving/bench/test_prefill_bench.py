@@ -6,6 +6,7 @@ import pytest
 
 import dsv41
 from serving.bench.roofline import MatmulProbe, RowsDotProbe, decode_weight_bytes, prefill_flops, weight_read_rate
+from serving.runtime.programs import Program
 
 
 def test_decode_reads_every_backbone_weight_and_the_touched_share_of_the_experts():
@@ -99,12 +100,13 @@ def test_only_the_decoding_runner_compiles_decode_buckets():
                      kv_cache_dtype="release", quiet=True)
     off, on = (_runner(m, args, [64], bounded) for bounded in (False, True))
     keys_off, keys_on = _keys(off, [64], args, decodes=False), _keys(on, [64], args, decodes=True)
-    assert keys_off == [("sample", 4), ("seg1", 64), ("seg2", 64)]  # max_num_seqs 4
+    assert keys_off == [Program.SAMPLE.at(4), Program.SEGMENT1.at(64), Program.SEGMENT2.at(64)]  # max_num_seqs 4
     W = m.config.sliding_window
     T = {on.buckets.token_bucket(n) for n in (1, 4)}
-    assert {("seg1", t) for t in T | {48, 64}} | {("seg2", t) for t in T | {on.buckets.token_bucket(W)}} \
-        | {("sample", min(4, t)) for t in T | {48, on.buckets.token_bucket(W)}} == set(keys_on)
-    assert set(keys_on) <= set(on.bucket_keys()) and set(keys_off) <= set(off.bucket_keys())
+    kept = T | {on.buckets.token_bucket(W)}
+    assert ({Program.SEGMENT1.at(t) for t in T | {48, 64}} | {Program.SEGMENT2.at(t) for t in kept}
+            | {Program.SAMPLE.at(min(4, t)) for t in T | {48, on.buckets.token_bucket(W)}}) == set(keys_on)
+    assert set(keys_on) <= set(on.compiler.bucket_keys()) and set(keys_off) <= set(off.compiler.bucket_keys())
     assert on.layout.fmt == off.layout.fmt == "release"
 
 

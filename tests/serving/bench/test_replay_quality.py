@@ -1,6 +1,6 @@
 """The replay-quality study's machinery on the tiny preset: exact mode reproduces the model's full-sequence
 log-probabilities, an exact-halo prefix hit reproduces exact mode, the bounded modes differ, and the summary
-and JSON hold what the README table quotes."""
+and JSON hold what the table in docs/benchmarks/replay-quality.md quotes."""
 
 import json
 

@@ -8,11 +8,8 @@ import pytest
 
 from dsv41.config import load_config
 from serving.bench import memory_plan
-from serving.bench.sharding_report import (
-    collective_bytes,
-    engram_staging_bytes,
-    memory_report,
-)
+from serving.bench.hlo_text import collective_bytes, merged
+from serving.bench.layout_memory import engram_staging_bytes, memory_report
 from sharding.mesh import ParallelConfig
 
 HLO = """
@@ -27,6 +24,8 @@ def test_collective_bytes_from_hlo_text():
     got = collective_bytes(HLO)
     assert got == {"all-to-all": {"count": 1, "bytes": 2 * 2 * 64 * 4}, "all-reduce": {"count": 1, "bytes": 64},
                    "reduce-scatter": {"count": 1, "bytes": 64}}
+    both = merged([got, {"all-reduce": {"count": 2, "bytes": 8}, "all-gather": {"count": 1, "bytes": 4}}])
+    assert both == {**got, "all-reduce": {"count": 3, "bytes": 72}, "all-gather": {"count": 1, "bytes": 4}}
 
 
 def test_memory_report_tp_vs_dep():

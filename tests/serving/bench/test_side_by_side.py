@@ -1,5 +1,5 @@
-"""side_by_side.py: server start / health wait / stop (with a stand-in server speaking issue #4's flags),
-serve.run over real HTTP, the comparison table; the whole run under --oracle-python."""
+"""side_by_side.py: server start / health wait / stop (server_process.py, with a stand-in server speaking issue
+#4's flags), serve.run over real HTTP, the comparison table; the whole run under --oracle-python."""
 
 import json
 import os
@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from serving.bench import make_checkpoints, serve, side_by_side
+from serving.bench.server_process import free_port, server_process
 
 FAKE = Path(__file__).with_name("fake_openai_server.py")
 TOKEN_INTERVAL_S = 0.010  # the stand-in server's pacing (fake_openai_server.TOKEN_INTERVAL_S)
@@ -34,13 +35,13 @@ def _args(tmp_path, *extra):
 
 def test_server_is_started_health_checked_measured_and_stopped(tmp_path):
     args = _args(tmp_path, "--max-model-len", "64")
-    port = side_by_side.free_port()
+    port = free_port()
     cmd = side_by_side.server_command(args, port)
     assert cmd[1:3] == ["-m", "serving.server"] and cmd[cmd.index("--max-num-seqs") + 1] == "3"
-    with side_by_side.server_process(cmd, port, tmp_path / "server.log", startup_timeout=60) as url:
+    with server_process(cmd, port, tmp_path / "server.log", startup_timeout=60) as url:
         assert httpx.get(url + "/health").status_code == 200
+        res = side_by_side.run_client(url, args.served_model_name, args, "10,500", tmp_path / "ours.json")
         flags = ["--base-url", url, "--model", args.served_model_name, "--max-concurrency", "3", "--ignore-eos"]
-        res = serve.run(serve.parse_args(flags + side_by_side.workload_flags(args, "10,500")))
         # an over-long prompt is rejected by the server; the client counts it and carries on
         over = serve.run(serve.parse_args(flags + ["--num-prompts", "1", "--input-len", "80"]))
     with pytest.raises(httpx.HTTPError):
@@ -50,12 +51,16 @@ def test_server_is_started_health_checked_measured_and_stopped(tmp_path):
     # TPOT reflects the server's pacing: a late first chunk can shorten the measured span by a few ms, never halve it
     assert s["total_input_tokens"] == 240 and s["median_tpot_ms"] >= 0.5e3 * TOKEN_INTERVAL_S
     assert over["summary"]["failed"] == 1 and "max_model_len 64" in over["errors"][0]["error"]
+    assert json.loads((tmp_path / "ours.json").read_text())["summary"]["completed"] == 6  # run_client wrote it
 
 
 def test_server_that_dies_is_reported_with_its_log(tmp_path):
     cmd = [sys.executable, "-c", "import sys; print('cannot load model'); sys.exit(3)"]
     with (pytest.raises(RuntimeError, match="(?s)code 3.*cannot load model"),
-          side_by_side.server_process(cmd, side_by_side.free_port(), tmp_path / "s.log", startup_timeout=60)):
+          server_process(cmd, free_port(), tmp_path / "s.log", startup_timeout=60)):
+        pass
+    with (pytest.raises(RuntimeError, match="(?s)code 3.*its output was not kept"),
+          server_process(cmd, free_port(), None, startup_timeout=60)):  # decode_overhead keeps no log
         pass
 
 

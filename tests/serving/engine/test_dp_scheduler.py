@@ -64,3 +64,20 @@ def test_queue_full_on_a_rank_is_not_counted_in_flight():
     with pytest.raises(QueueFull):
         s.add(_req("b", 5, seed=1))
     assert s.rank_requests() == [1]
+
+
+def test_a_finish_the_scheduler_decides_frees_the_request_on_its_rank_once():
+    """`postprocess` finishing a request (here by its length limit) frees its blocks and slot on its rank and takes it
+    out of the router's count; the removal that follows an abort of the same id changes nothing."""
+    from serving.runtime.sampling_params import SamplingParams
+
+    s = _dp(ranks=2)
+    reqs = [_req(f"r{i}", 12, seed=i, session_id=f"s{i}") for i in range(2)]
+    reqs[1].params = SamplingParams(temperature=0, max_tokens=1)
+    for r in reqs:
+        s.add(r)
+    finishes = [s.postprocess(x, 7) for x in s.schedule()]
+    assert finishes == [None, ("length", None)] and reqs[1].finished
+    assert s.rank_requests() == [1, 0] and s.ranks[1].blocks.num_free_blocks == 8 and s.ranks[1].free_slots == [1, 0]
+    s.remove(reqs[1])
+    assert s.rank_requests() == [1, 0] and s.ranks[1].free_slots == [1, 0]

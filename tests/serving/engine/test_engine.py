@@ -193,34 +193,74 @@ def test_the_next_step_is_dispatched_before_the_text_is_made(engine, monkeypatch
     assert events == ["launch", "collect", "launch", "text", "collect", "launch", "text", "collect", "text"]
 
 
-def test_a_stop_string_drops_the_row_already_dispatched(engine, monkeypatch):
+def _run(engine, requests):
+    """Serve (id, prompt, params) to the end: {id: [its outputs]}."""
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    outs = {rid: [] for rid, *_ in requests}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs[o.request_id].append(o)
+    return outs
+
+
+TEN = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def stop_char(engine):
+    """A prompt whose ten greedy tokens make text with a character past the first (the untrained model's bytes are
+    mostly invalid UTF-8): its seed, that text and the character (a stop string), with the byte-level tokenizer."""
+    from serving.text.tokenizer import byte_level_tokenizer
+
+    engine.tokenizer = byte_level_tokenizer(512)
+    try:
+        for seed in range(50, 80):
+            text = "".join(o.new_text for o in _run(engine, [("a", _prompt(seed), TEN)])["a"])
+            stops = [c for c in text[1:-1] if c != "\ufffd"]
+            if stops:
+                return seed, text, stops[0]
+        pytest.fail("no prompt of seeds 50..79 makes a character")
+    finally:
+        engine.tokenizer = None
+
+
+def test_a_stop_string_drops_the_row_already_dispatched(engine, monkeypatch, stop_char):
     """A stop string is found in the text after the request's next step was dispatched: that row is dropped, the
     request ends at the string, the other request in the batch is unchanged and every block comes back."""
     from serving.text.tokenizer import byte_level_tokenizer
 
     monkeypatch.setattr(engine, "tokenizer", byte_level_tokenizer(512))
-
-    def run(requests):
-        for rid, prompt, params in requests:
-            engine.add_request(rid, prompt, params)
-        outs = {rid: [] for rid, *_ in requests}
-        while engine.has_unfinished():
-            for o in engine.step():
-                outs[o.request_id].append(o)
-        return outs
-
-    p = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    for seed in range(50, 80):  # the untrained model's bytes are mostly invalid UTF-8: find a character
-        text = "".join(o.new_text for o in run([("a", _prompt(seed), p)])["a"])
-        stops = [c for c in text[1:-1] if c != "\ufffd"]
-        if stops:
-            break
-    stop, other = stops[0], _prompt(90)
+    seed, text, stop = stop_char
+    p, other = TEN, _prompt(90)
     (other_alone,), _ = _serve(engine, [other], p)
-    outs = run([("a", _prompt(seed), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop=[stop])),
-                ("b", other, p)])
+    outs = _run(engine, [("a", _prompt(seed), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                                             stop=[stop])), ("b", other, p)])
     a, b = outs["a"], outs["b"]
     assert a[-1].finish_reason == "stop" and a[-1].stop_reason == stop
     assert "".join(o.new_text for o in a) == text[: text.find(stop)]
     assert sum((o.new_token_ids for o in b), []) == other_alone
+    assert engine._inflight is None and engine.scheduler.num_free_blocks == engine.scheduler.num_blocks
+
+
+def test_step_by_step_a_stop_string_ends_the_request_before_its_next_row(engine, monkeypatch, stop_char):
+    """Without async scheduling a stop string is found when its step is collected, before the next step is
+    scheduled: the scheduler ends the request there, so no row of it follows the stop string's token; the outputs
+    are those of async scheduling."""
+    from serving.text.tokenizer import byte_level_tokenizer
+
+    monkeypatch.setattr(engine, "tokenizer", byte_level_tokenizer(512))
+    seed, _, stop = stop_char
+    prompt, p = _prompt(seed), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop=[stop])
+    asyn = _run(engine, [("a", prompt, p)])["a"]
+    monkeypatch.setattr(engine, "async_scheduling", False)
+    ends, launch = [], engine.runner.launch
+    monkeypatch.setattr(engine.runner, "launch", lambda chunks, *a, **k: ends.append(chunks[0].end) or
+                        launch(chunks, *a, **k))
+    sync = _run(engine, [("a", prompt, p)])["a"]
+    assert [(o.new_token_ids, o.new_text, o.finish_reason, o.stop_reason) for o in sync] == \
+        [(o.new_token_ids, o.new_text, o.finish_reason, o.stop_reason) for o in asyn]
+    n_out = sum(len(o.new_token_ids) for o in sync)
+    assert sync[-1].stop_reason == stop and n_out < 10
+    assert ends[-1] == len(prompt) + n_out - 1  # the row that sampled the stop string's last token
     assert engine._inflight is None and engine.scheduler.num_free_blocks == engine.scheduler.num_blocks

@@ -77,9 +77,9 @@ def test_seeded_sampling_and_stop_conditions_with_speculation(model):
         spec.add_request("x", [5, 6], SamplingParams(prompt_logprobs=1))
 
 
-def test_nano_greedy_speculative_equals_plain_with_accepted_drafts():
-    """The trained drafter is accepted (so rows are committed from drafts and rolled back past a rejection), and
-    the output is still exactly the non-speculative one."""
+@pytest.fixture(scope="module")
+def nano():
+    """The trained nano-austen, plain and speculative engines, and four prompts."""
     model = dsv41.load(NANO_DIR, dtype="float32")
     tok = Tokenizer.from_dir(NANO_DIR)
     # one step size: four programs fewer to compile (13 s of the suite from a cold cache)
@@ -88,12 +88,52 @@ def test_nano_greedy_speculative_equals_plain_with_accepted_drafts():
     spec = Engine(model, tok, EngineArgs.of(**kw, speculative_config=SPEC), progress=False)
     prompts = [tok.encode(t) for t in ("Anne was", "It is a truth universally acknowledged", "Mr. Darcy said that",
                                        "The morning was fine, and")]
+    return plain, spec, prompts
+
+
+def test_nano_greedy_speculative_equals_plain_with_accepted_drafts(nano):
+    """The trained drafter is accepted (so rows are committed from drafts and rolled back past a rejection), and
+    the output is still exactly the non-speculative one."""
+    plain, spec, prompts = nano
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     assert _serve(spec, prompts, params)[0] == _serve(plain, prompts, params)[0]
     accepted = _metric(spec, "vllm:spec_decode_num_accepted_tokens_total")
     assert accepted > 0, "the trained drafter's first position is accepted about 40% of the time"
     per_pos = [_metric_pos(spec, i) for i in range(5)]
     assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
+
+
+def test_nano_stop_strings_inside_speculative_steps_give_the_plain_outputs(nano, monkeypatch):
+    """Stop strings that end before the last token a speculative step emits (an accepted draft): the scheduler keeps
+    the tokens up to the string and finishes there, and tokens, text and finishes are those of the plain engine
+    (with and without the string in the output); every block comes back."""
+    plain, spec, prompts = nano
+    stops = (", and", "the world", "\n\n")
+    params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, stop=stops,
+                             include_stop_str_in_output=i % 2 == 1) for i in range(len(prompts))]
+    cut_inside = []
+    postprocess = spec.scheduler.postprocess
+
+    def spy(s, tokens, pending=None, stop=None):
+        finish = postprocess(s, tokens, pending, stop)
+        if stop is not None and stop.index < len(tokens) - 1 and finish.stop_string == stop.text:
+            cut_inside.append(s.request.request_id)
+        return finish
+
+    monkeypatch.setattr(spec.scheduler, "postprocess", spy)
+    got = []
+    for eng in (plain, spec):
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            eng.add_request(f"s{i}", prompt, p)
+        outs = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                outs.setdefault(o.request_id, []).append(o)
+        got.append({rid: (sum((o.new_token_ids for o in v), []), "".join(o.new_text for o in v), v[-1].finish_reason,
+                          v[-1].stop_reason) for rid, v in outs.items()})
+        assert eng.scheduler.num_free_blocks == eng.scheduler.num_blocks and eng.scheduler.running == []
+    assert got[1] == got[0] and all(r[2] == "stop" for r in got[0].values())
+    assert cut_inside, "a stop string should end inside a speculative step (the trained drafter is accepted)"
 
 
 def _metric_pos(engine, i):

@@ -1,14 +1,14 @@
-"""Benchmark of the fused kernels: `python -m pallas_kernels.bench [--smoke] [--out FILE]`.
+"""Benchmark of the fused kernels: `python -m serving.bench.kernels [--smoke] [--out FILE]`.
 
 On a GPU (~2-3 min): every kernel at V4.1-Flash sizes is checked against a slower path on the device
 (`compare`: float error, or the overlap of selected row-id sets), timed (median of jitted runs: cases moving less
 than a few L2s run on several input copies in one program, so no dispatch sits between the timed kernels), and
-reported as achieved GB/s and TFLOP/s against ceilings this script measures
-itself (a copy-bandwidth probe and a bf16 matmul probe), with the predicted time from NOTES.md's byte and
-FLOP counts and the speed-up over the XLA path of the same op (fused Pallas vs XLA). `--smoke` runs tiny
-sizes with the kernels interpreted, so the script stays exercised on CPU. Prints each row as it is measured and a
-table at the end; the JSON is rewritten after every case, so a run cut short (time limit, device fault) keeps what
-it measured. Measured on an H200: `bench_h200.json`, summarised in NOTES.md.
+reported as achieved GB/s and TFLOP/s against ceilings this script measures itself (a copy-bandwidth probe and a
+bf16 matmul probe), with the predicted time from docs/gpu/kernel-notes.md's byte and FLOP counts and the speed-up
+over the XLA path of the same op (fused Pallas vs XLA). `--smoke` runs tiny sizes with the kernels interpreted, so
+the script stays exercised on CPU. Prints each row as it is measured and a table at the end; the JSON is rewritten
+after every case, so a run cut short (time limit, device fault) keeps what it measured. Measured on an H200:
+`docs/gpu/kernel_bench_h200.json`, summarised in docs/gpu/kernel-notes.md.
 
 MoE routed experts: MXFP4 weights decoded in the kernel (fused) against the XLA path, which decodes each
 row tile's expert into a bf16 matrix and then multiplies (unfused); the same kernel on bf16 weights shows
@@ -23,6 +23,7 @@ import argparse
 import functools
 import importlib.util
 import json
+import math
 import statistics
 import time
 from typing import Callable, NamedTuple
@@ -31,12 +32,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import fp8_linear, indexer, mhc, moe_gmm, router
+from pallas_kernels import fp8_linear, indexer, mhc, moe_gmm, moe_xla, router
 from pallas_kernels import sparse_attention as sa
-from pallas_kernels.expert_weights import QuantizedExperts, weight_bytes
+from pallas_kernels.expert_weights import QuantizedExperts
 from pallas_kernels.tiles import max_tiles, plan_tiles
 
-H200_BYTES_PER_S, H200_FLOPS = 4.8e12, 990e12  # datasheet figures NOTES.md predicts with
+H200_BYTES_PER_S, H200_FLOPS = 4.8e12, 990e12  # datasheet figures kernel-notes.md predicts with
 
 
 class Case(NamedTuple):
@@ -167,6 +168,13 @@ def _mhc_case(rng, name, *, T, smoke):
 MOE_LIMIT = 10.0
 
 
+def weight_bytes(w) -> int:
+    """Bytes one expert's weight occupies (values + scales, or the float array)."""
+    if not isinstance(w, QuantizedExperts):
+        return math.prod(w.shape[1:]) * jnp.dtype(w.dtype).itemsize
+    return math.prod(w.values.shape[1:]) + math.prod(w.scales.shape[1:])
+
+
 def _moe_weights(key, smoke: bool, kind: str) -> tuple:
     """Random w1, w3 [E, I, D], w2 [E, D, I]: MXFP4 bytes (any e2m1 code) with the UE8M0 scale that makes
     each weight's std ~ 1/sqrt(fan-in), or bf16 with that std. Made on the device (7 GB at full size)."""
@@ -214,8 +222,8 @@ def _moe_case(rng, name, weights, *, T: int, kind: str, smoke: bool):
         t1, t3, t2 = (jnp.swapaxes(w, 1, 2) for w in (w1, w3, w2))
         others = (("tokamax_ragged_dot", lambda x, i, w, *_: _tokamax_experts(tokamax, x, i, w, t1, t3, t2)),)
     kw = dict(limit=MOE_LIMIT)
-    return Case(name, args, lambda *a: moe_gmm.pallas(*a, **kw), lambda *a: moe_gmm.xla(*a, **kw),
-                lambda *a: moe_gmm.xla(*a, **kw), by, 2.0 * T * k * 3 * I * D, others)
+    return Case(name, args, lambda *a: moe_gmm.pallas(*a, **kw), lambda *a: moe_xla.xla(*a, **kw),
+                lambda *a: moe_xla.xla(*a, **kw), by, 2.0 * T * k * 3 * I * D, others)
 
 
 def _fp8_linear_case(rng, name, *, T: int, smoke: bool):

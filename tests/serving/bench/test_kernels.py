@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import bench, moe_gmm
+from pallas_kernels import moe_gmm
+from serving.bench import kernels as bench
 from tests.pallas_kernels.util import assert_close, seeded_rng
 
 

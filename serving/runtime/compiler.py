@@ -1,0 +1,359 @@
+"""What a runner's steps run on, decided and compiled before the first step: the cache layout, the buckets, the
+kernels, the step programs (`programs.StepPrograms`) and each bucket's executable.
+
+Buckets: segment 1 by the step's token count, segment 2 by its kept-row count (the CED trimming), the sampler (or
+the speculative programs) by its requests. Every bucket is compiled ahead of time (`precompile`, with a progress
+bar): all of them, or with `background` the largest of each family first and the rest in a daemon thread, a step
+whose own bucket is not ready meanwhile running padded to one that is. The serving loop never compiles: a step
+whose bucket is missing raises `CompileInServingLoop`. Programs are loaded from and saved to the executable cache
+(`serving.runtime.exe_cache`) when one is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv41.layers.basic import with_kernels
+from pallas_kernels.dispatch import resolve_impl
+from pallas_kernels.kernel_config import KernelConfig, MoeStep
+from serving.runtime import kv_cache, map_limit
+from serving.runtime.batch import Buckets, token_ladder
+from serving.runtime.builder import StepBuilder
+from serving.runtime.config import RuntimeConfig
+from serving.runtime.exe_cache import ExecutableCache, ExecutableCacheSettings, arg_tree
+from serving.runtime.kv_cache import CacheLayout
+from serving.runtime.moe_tuning import small_steps, tune_small_steps
+from serving.runtime.programs import BucketKey, ModelGraph, Program, StepPrograms, build_programs
+from serving.runtime.sampler import sampling_arrays
+from serving.runtime.speculative import SpeculativeConfig
+from serving.runtime.step import PackedBatch
+
+
+class CompileInServingLoop(RuntimeError):
+    """A step needed a shape that was not precompiled."""
+
+
+class StepCompiler:
+    def __init__(self, model, rc: RuntimeConfig, *, placement=None, expert_counts: bool = False,
+                 segment1_constants: tuple = (), executable_cache: ExecutableCacheSettings | None = None,
+                 progress: bool = True):
+        """`placement` (sharding.runtime.MeshPlacement): programs per data-parallel rank on a mesh; None: one
+        device. `expert_counts`: the segments also return the MoE layers' per-expert token counts.
+        `segment1_constants`: the device arrays segment 1 takes after its batch (the previous step's sampled tokens,
+        Engram's token terms), whose shapes and shardings its programs are compiled for."""
+        c = model.config
+        self.rc, self.config, self.placement, self.progress = rc, c, placement, progress
+        self.ranks = placement.ranks if placement else 1
+        self.spec = SpeculativeConfig.parse(rc.speculative_config)
+        if self.spec is not None:
+            self.spec = self.spec.resolve(c)
+            if placement is not None:
+                raise ValueError("speculative decoding runs on one device for now, not on a mesh (tensor or data "
+                                 "parallel)")
+        # rows verified per request: the drafter's whole block, so any num_speculative_tokens <= block (the drafts the
+        # scheduler gives a chunk) runs the same compiled programs
+        self.verify_rows = 1 + c.dspark_block_size if self.spec else 1
+        self.layout = plan_layout(c, rc, model.dtype, draft_stages=c.num_nextn_predict_layers if self.spec else 0)
+        smallest = _smallest_bucket(model.dtype)
+        ladder = (tuple(sorted({max(b, smallest) for b in rc.token_buckets})) if rc.token_buckets
+                  else token_ladder(rc.max_num_batched_tokens, c.sliding_window, smallest=smallest))
+        self.buckets = Buckets(ladder, rc.max_num_seqs, rc.tile)
+        # The sampler runs on each rank's first n logit rows, n a bucket of the step's requests (`sample_rows`);
+        # verification and drafting on the step's requests only, padded to a power of two (a draft pass costs
+        # block-size rows per request: padding it to max_num_seqs made a c=1 step far slower than a plain one,
+        # docs/design/measurements.md).
+        self.sample_rows = tuple(sorted({self.buckets.requests(t) for t in self.buckets.tokens}))
+        self.spec_rows = _spec_rows(rc) if self.spec else ()
+        self.builder = StepBuilder(model, self.layout, self.buckets, ranks=self.ranks,
+                                   max_model_len=rc.max_model_len, verify_rows=self.verify_rows)
+        settings = executable_cache
+        # The programs run the model's module with the runtime's kernels; `model` itself is left as it is. MoE small
+        # steps on the XLA path with moe_small_steps="tune" take the form timed for their shape, just before their
+        # bucket is traced (`graph_for`): a bucket compiled in the background is tuned there too.
+        self.kernels = KernelConfig(rc.kernel_impl, moe_small_step_form="rule" if rc.moe_small_steps == "tune"
+                                    else rc.moe_small_steps)
+        self.tune = rc.moe_small_steps == "tune" and resolve_impl(rc.kernel_impl) == "xla"
+        self.tuned: dict[MoeStep, str] = {}  # the small-step forms tuned so far
+        self._tuning_file = settings.tuning_file if settings else None
+        self._module = model.module
+        self.graph, leaves = ModelGraph.split(with_kernels(model.module, self.kernels))
+        self.param_specs = [_spec(a) for a in leaves]
+        self.exe_cache = None if settings is None else ExecutableCache(settings, repr(
+            (c, rc, self.spec, self.kernels, self.layout, self.graph, arg_tree(leaves), expert_counts,
+             placement and (placement.mesh.shape_tuple, [d.id for d in self.devices]))))
+        self.cache_spec = self._global(self.layout.shapes(), cache=True)
+        self.constant_specs = tuple(_spec(a) for a in segment1_constants)
+        self.carry_shapes = self._carry_shapes(model, rc, expert_counts, leaves)  # one rank's
+        self.carry_spec = self._global(self.carry_shapes)
+        self.programs: StepPrograms = build_programs(
+            self.layout, rc, param_specs=self.param_specs, sample_rows_per_rank=self.sample_rows,
+            expert_counts=expert_counts, spec=self.spec, verify_rows=self.verify_rows, placement=placement,
+            cache=self.cache_spec, carry=self.carry_spec)
+        self._exe: dict[BucketKey, jax.stages.Compiled] = {}  # filled by precompile (and its background thread)
+        self._background: threading.Thread | None = None
+        self.compile_seconds = 0.0
+
+    # ------------------------------------------------------------------ parameters
+    def flatten(self, module) -> list[jax.Array]:
+        """The module's current parameter arrays as the compiled programs take them. Refused, naming the change, when
+        its structure, a shape, a dtype or a sharding differs from what the programs were compiled for."""
+        graph, leaves = ModelGraph.split(with_kernels(module, self.kernels))
+        if graph != self.graph:
+            raise ValueError("the model's parameter structure changed since the runner was built; the compiled "
+                             "steps cannot take it (build a new Runner)")
+        for old, new in zip(self.param_specs, leaves):
+            if (old.shape, old.dtype) != (new.shape, new.dtype) or (
+                    old.sharding is not None and isinstance(new, jax.Array) and old.sharding != new.sharding):
+                raise ValueError(f"a parameter changed from {old.shape} {old.dtype} to {new.shape} {new.dtype} "
+                                 "(or its sharding); the compiled steps cannot take it (build a new Runner)")
+        return leaves
+
+    # ------------------------------------------------------------------ buckets
+    def bucket_keys(self) -> list[BucketKey]:
+        """Every bucket a step can run on."""
+        T = self.buckets.tokens
+        if self.spec:
+            last = [p.at(r) for r in self.spec_rows for p in (Program.SPEC_SNAPSHOT, Program.SPEC_FINISH)]
+        else:
+            last = [Program.SAMPLE.at(n) for n in self.sample_rows]
+        return [Program.SEGMENT1.at(t) for t in T] + [Program.SEGMENT2.at(t) for t in T] + last
+
+    def essential_keys(self) -> list[BucketKey]:
+        """The buckets any step can run on: the largest of each family (a smaller step pads up to it)."""
+        largest: dict[Program, BucketKey] = {}
+        for key in self.bucket_keys():  # each family's keys in ascending size
+            largest[key.program] = key
+        return list(largest.values())
+
+    def fit(self, program: Program, n: int, sizes: Sequence[int]) -> int:
+        """The smallest size >= n whose bucket of `program` is compiled; the smallest that fits if none is (the
+        step then fails with CompileInServingLoop)."""
+        fits = [b for b in sizes if b >= n]
+        if not fits:
+            raise ValueError(f"{n} tokens exceed the largest token bucket {sizes[-1]}")
+        return next((b for b in fits if program.at(b) in self._exe), fits[0])
+
+    def executable(self, key: BucketKey) -> jax.stages.Compiled:
+        exe = self._exe.get(key)
+        if exe is None:
+            raise CompileInServingLoop(f"bucket {key!r} was not precompiled")
+        return exe
+
+    @property
+    def compiled_keys(self) -> list[BucketKey]:
+        """The buckets compiled so far."""
+        return list(self._exe.copy())  # the background compiler may be adding to it
+
+    @property
+    def background_done(self) -> bool:
+        return self._background is None or not self._background.is_alive()
+
+    # ------------------------------------------------------------------ compilation
+    def precompile(self, keys: Sequence[BucketKey] | None = None, *, background: bool = False) -> float:
+        """Compile every bucket (or `keys`); returns the seconds spent. `background`: compile only the essential
+        keys now and the others (smallest first: decode steps gain most) in a daemon thread; until a step's own
+        bucket is ready it runs padded to the smallest compiled one that fits (`background_done` tells when all
+        are). A key outside `bucket_keys()` is refused: no step would ever run it."""
+        known = self.bucket_keys()
+        keys = list(keys or known)
+        if unused := [k for k in keys if k not in known]:
+            raise ValueError(f"bucket keys {unused} are not among this runner's bucket_keys() {known}: no step "
+                             "runs them")
+        if background:
+            now = [k for k in self.essential_keys() if k in keys]
+            order = list(Program)  # at one size: segments, then what follows them (a snapshot before its finish)
+            rest = sorted((k for k in keys if k not in now), key=lambda k: (k.size, order.index(k.program)))
+            seconds = self.precompile(now)
+            self._background = threading.Thread(target=self._compile_rest, args=(rest,), name="precompile",
+                                                daemon=True)
+            self._background.start()
+            return seconds
+        start = time.perf_counter()
+        for n, key in enumerate(keys):
+            if key not in self._exe:
+                self._compile(key)
+            if self.progress:
+                _bar(n + 1, len(keys), f"precompiling {key!r}", time.perf_counter() - start)
+        return time.perf_counter() - start
+
+    def _compile_rest(self, keys: list[BucketKey]) -> None:
+        start = time.perf_counter()
+        for key in keys:
+            if key not in self._exe:
+                self._compile(key)
+        if self.progress:
+            sys.stderr.write(f"[dsv41-jax] background: the other {len(keys)} buckets ready in "
+                             f"{time.perf_counter() - start:.1f}s\n")
+
+    def _compile(self, key: BucketKey) -> None:
+        map_limit.GUARD.before_compile()  # a clear error, not a crash, where the process runs out of memory maps
+        t = time.perf_counter()
+        specs = self.example_args(key)
+        kernels = self.kernels_for(key)
+        static = (self._graph(kernels),) if self.programs.takes_graph(key) else ()
+        name = (key, kernels) if static else key  # a program is the kernels it was traced for
+        exe = self.exe_cache.load(name, specs, self.devices) if self.exe_cache else None
+        if exe is None:
+            exe = self.programs.of(key).lower(*static, *specs).compile()
+            if self.exe_cache:
+                self.exe_cache.save(name, specs, exe)
+        self._exe[key] = exe
+        self.compile_seconds += time.perf_counter() - t
+
+    def kernels_for(self, key: BucketKey) -> KernelConfig:
+        """The kernels a bucket is traced with: with tuning on, its MoE small steps' forms (timed now where not known
+        yet - eagerly, before tracing - or read from the tuning file), else the runner's kernels."""
+        if not self.tune or not self.programs.takes_graph(key):
+            return self.kernels
+        if key.program is Program.SPEC_FINISH:  # the drafter's block pass: block-size rows per request
+            steps = small_steps(self._module, (), (key.size * self.config.dspark_block_size,))
+        else:
+            steps = small_steps(self._module, (key.size,))
+        if not steps:
+            return self.kernels
+        self.tuned.update(tune_small_steps([s for s in steps if s not in self.tuned], self._tuning_file))
+        return dataclasses.replace(self.kernels, moe_small_steps={s: self.tuned[s] for s in steps})
+
+    def _graph(self, kernels: KernelConfig) -> ModelGraph:
+        return self.graph if kernels == self.kernels else ModelGraph.split(with_kernels(self._module, kernels))[0]
+
+    def describe_kernels(self) -> str:
+        """One line for the banner: the implementation and the MoE small-step forms (tuned so far, with tuning)."""
+        kernels = dataclasses.replace(self.kernels, moe_small_steps=tuple(self.tuned.items()))
+        return kernels.describe() + ("; small steps tuned as their buckets compile" if self.tune else "")
+
+    def example_args(self, key: BucketKey) -> tuple:
+        """The arguments (shapes, dtypes, shardings) a bucket is compiled for."""
+        return jax.tree.map(_spec, self._example_args(key))
+
+    def _example_args(self, key: BucketKey) -> tuple:
+        state = (self.param_specs, self.cache_spec, self.carry_spec)
+        p, n = key.program, key.size
+        if p is Program.SEGMENT1:
+            return (*state, self._batch_spec(self.builder.example(n, n).segment1()), *self.constant_specs)
+        if p is Program.SEGMENT2:
+            return (*state, self._batch_spec(self.builder.example(n, n).segment2()))
+        if p is Program.SAMPLE:
+            R = self.ranks * self.rc.max_num_seqs
+            return jax.ShapeDtypeStruct((R, self.config.vocab_size), jnp.float32), sampling_arrays([], [], R, 0)
+        s = self.builder.spec_inputs([], self.builder.example(1, 1), n)
+        if p is Program.SPEC_SNAPSHOT:
+            return self.cache_spec, s
+        snap = jax.eval_shape(self.programs.spec_snapshot, self.cache_spec, s)
+        logits = jax.ShapeDtypeStruct((self.rc.max_num_seqs, self.verify_rows, self.config.vocab_size), jnp.float32)
+        return (*state, snap, self.q_buf_spec, logits, s, sampling_arrays([], [], n, 0))
+
+    @property
+    def q_buf_spec(self) -> jax.ShapeDtypeStruct:
+        """Speculative decoding: the draft distributions each slot's drafts were drawn from [slots, block, V]."""
+        c = self.config
+        return jax.ShapeDtypeStruct((self.rc.max_num_seqs, c.dspark_block_size, c.vocab_size), jnp.float32)
+
+    # ------------------------------------------------------------------ inspection
+    def compiled_text(self, key: BucketKey) -> str:
+        """The optimised HLO of a compiled bucket (what XLA runs), e.g. to check for sorts or collectives."""
+        return self.executable(key).as_text()
+
+    def trace(self, key: BucketKey):
+        """The jaxpr (`jax.make_jaxpr`) of a segment bucket, e.g. to count kernel calls."""
+        if key.program not in (Program.SEGMENT1, Program.SEGMENT2):
+            raise ValueError(f"only segment buckets can be traced, got {key!r}")
+        graph = self._graph(self.kernels_for(key))
+        return jax.make_jaxpr(self.programs.of(key), static_argnums=0)(graph, *self.example_args(key))
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def devices(self) -> list:
+        """The devices a compiled program runs on, in its order: the mesh's, or the parameters' one device."""
+        if self.placement:
+            return list(self.placement.mesh.devices.flat)
+        return list(next(iter(self.param_specs)).sharding.device_set) if self.param_specs else [jax.devices()[0]]
+
+    def _global(self, rank_shapes, *, cache: bool = False):
+        """Every rank's copy of `rank_shapes` one after another on the first dimension, with its shardings (on one
+        device: as they are)."""
+        return self.placement.global_specs(rank_shapes, cache=cache) if self.placement else rank_shapes
+
+    def _batch_spec(self, batch) -> PackedBatch:
+        """A segment's batch as its program takes it (packed; on a mesh split over the ranks)."""
+        packed = PackedBatch.pack(batch)
+        if self.placement:
+            packed = self.placement.put_batch(packed)
+        return jax.tree.map(_spec, packed)
+
+    def _carry_shapes(self, model, rc: RuntimeConfig, expert_counts: bool, leaves: list[jax.Array]):
+        """One rank's segment carry: segment 1's rows in a persistent buffer of the largest bucket, which segment 2
+        reads, so the kept-row gather lives in segment 2 and no program is compiled per (tokens, kept rows) pair.
+        Found by tracing segment 1, or read from the executable cache."""
+        cached = self.exe_cache.get_value("carry") if self.exe_cache else None
+        if cached is not None:
+            return cached
+        from serving.runtime import segments  # the one trace of segment 1 outside its programs
+
+        top = self.buckets.tokens[-1]
+        b1 = self.builder.rank_batch([], top, top).segment1()
+        graph = self.graph
+        shapes = jax.eval_shape(lambda lv, ca, b: segments.segment1(
+            graph.merge(lv), self.layout, ca, None, b, fake_quant=rc.fake_quant, expert_counts=expert_counts)[1],
+            leaves, self.layout.shapes(), b1)
+        if self.exe_cache:
+            self.exe_cache.put_value("carry", shapes)
+        return shapes
+
+
+def plan_layout(c, rc: RuntimeConfig, dtype, *, draft_stages: int) -> CacheLayout:
+    """One rank's cache: `rc.kv_cache_memory` bytes, or by default room for max_num_seqs requests of max_model_len."""
+    block_size = rc.block_size or kv_cache.smallest_block_size(c, 64)
+    memory = rc.kv_cache_memory
+    if memory is None:
+        probe = CacheLayout(c, 1, block_size, rc.max_num_seqs, rc.kv_cache_dtype, jnp.dtype(dtype).name, draft_stages)
+        blocks = rc.max_num_seqs * -(-rc.max_model_len // block_size)
+        memory = probe.bytes_per_slot() * rc.max_num_seqs + probe.bytes_per_block() * blocks
+    return kv_cache.plan_layout(c, memory_bytes=memory, block_size=block_size, num_slots=rc.max_num_seqs,
+                                max_model_len=rc.max_model_len, fmt=rc.kv_cache_dtype, dtype=jnp.dtype(dtype).name,
+                                draft_stages=draft_stages)
+
+
+def enable_compilation_cache(path: str | Path | None, *, max_bytes: int | None = None) -> None:
+    """JAX's persistent cache of compiled HLO in `path` (None or "": off), process-wide as JAX keeps it, at most
+    `max_bytes` (None: no bound). A restart still traces and lowers every program; a server keeps its programs in
+    the executable cache instead (`serving.runtime.exe_cache`), which skips both."""
+    if not path:
+        return
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_compilation_cache_max_size", -1 if max_bytes is None else max_bytes)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def _spec_rows(rc: RuntimeConfig) -> tuple[int, ...]:
+    return tuple(sorted({min(2 ** i, rc.max_num_seqs) for i in range(rc.max_num_seqs.bit_length() + 1)}))
+
+
+def _smallest_bucket(dtype) -> int:
+    """1 row, but 2 for bfloat16 on XLA:CPU: a 1-row bf16 dot misses YNNPACK's matmul path and runs an order of
+    magnitude slower than a 2-row one (docs/design/measurements.md), so a decode of one pads."""
+    return 2 if jnp.dtype(dtype) == jnp.bfloat16 and jax.default_backend() == "cpu" else 1
+
+
+def _spec(a) -> jax.ShapeDtypeStruct:
+    if isinstance(a, jax.ShapeDtypeStruct):
+        return a
+    return jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=a.sharding if isinstance(a, jax.Array) else None)
+
+
+def _bar(done: int, total: int, what: str, seconds: float) -> None:
+    width = 24
+    fill = int(width * done / total)
+    sys.stderr.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {done}/{total} {what:<40.40} {seconds:6.1f}s")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
