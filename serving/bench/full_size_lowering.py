@@ -119,10 +119,8 @@ def build_runner(preset: str, pc: ParallelConfig, *, weights: str = "release", p
 
 def lower_bucket(runner: Runner, segment: Program, tokens: int, platform: str = "cuda"):
     """(lowered, seconds) of one segment bucket (`segment` SEGMENT1 or SEGMENT2, `tokens` rows per dp rank)."""
-    key = segment.at(tokens)
-    args = runner.compiler.example_args(key)  # what the runner compiles (segment 1 with async scheduling's tokens)
     t = time.perf_counter()
-    lowered = runner.compiler.programs.of(key).trace(*args).lower(lowering_platforms=(platform,))
+    lowered = runner.compiler.lower(segment.at(tokens), lowering_platforms=(platform,))  # what the runner compiles
     return lowered, time.perf_counter() - t
 
 

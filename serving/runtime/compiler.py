@@ -199,15 +199,20 @@ class StepCompiler:
         t = time.perf_counter()
         specs = self.example_args(key)
         kernels = self.kernels_for(key)
-        static = (self._graph(kernels),) if self.programs.takes_graph(key) else ()
-        name = (key, kernels) if static else key  # a program is the kernels it was traced for
+        name = (key, kernels) if self.programs.takes_graph(key) else key  # a program is the kernels it was traced for
         exe = self.exe_cache.load(name, specs, self.devices) if self.exe_cache else None
         if exe is None:
-            exe = self.programs.of(key).lower(*static, *specs).compile()
+            exe = self.lower(key, kernels).compile()
             if self.exe_cache:
                 self.exe_cache.save(name, specs, exe)
         self._exe[key] = exe
         self.compile_seconds += time.perf_counter() - t
+
+    def lower(self, key: BucketKey, kernels: KernelConfig | None = None, **lowering) -> jax.stages.Lowered:
+        """A bucket's program traced and lowered for its example arguments, with `kernels` (default: the bucket's,
+        `kernels_for`); `lowering`: `Traced.lower`'s options, e.g. lowering_platforms=("cuda",)."""
+        static = (self._graph(kernels or self.kernels_for(key)),) if self.programs.takes_graph(key) else ()
+        return self.programs.of(key).trace(*static, *self.example_args(key)).lower(**lowering)
 
     def kernels_for(self, key: BucketKey) -> KernelConfig:
         """The kernels a bucket is traced with: with tuning on, its MoE small steps' forms (timed now where not known
