@@ -23,7 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv41.layers.basic import with_kernels
-from pallas_kernels.dispatch import resolve_impl
 from pallas_kernels.kernel_config import KernelConfig, MoeStep
 from serving.runtime import kv_cache, map_limit
 from serving.runtime.batch import Buckets, token_ladder
@@ -31,7 +30,7 @@ from serving.runtime.builder import StepBuilder
 from serving.runtime.config import RuntimeConfig
 from serving.runtime.exe_cache import ExecutableCache, ExecutableCacheSettings, arg_tree
 from serving.runtime.kv_cache import CacheLayout
-from serving.runtime.moe_tuning import small_steps, tune_small_steps
+from serving.runtime.moe_tuning import bucket_kernels, runtime_kernels
 from serving.runtime.programs import BucketKey, ModelGraph, Program, StepPrograms, build_programs
 from serving.runtime.sampler import sampling_arrays
 from serving.runtime.speculative import SpeculativeConfig
@@ -79,9 +78,7 @@ class StepCompiler:
         # The programs run the model's module with the runtime's kernels; `model` itself is left as it is. MoE small
         # steps on the XLA path with moe_small_steps="tune" take the form timed for their shape, just before their
         # bucket is traced (`graph_for`): a bucket compiled in the background is tuned there too.
-        self.kernels = KernelConfig(rc.kernel_impl, moe_small_step_form="rule" if rc.moe_small_steps == "tune"
-                                    else rc.moe_small_steps)
-        self.tune = rc.moe_small_steps == "tune" and resolve_impl(rc.kernel_impl) == "xla"
+        self.kernels, self.tune = runtime_kernels(rc)
         self.tuned: dict[MoeStep, str] = {}  # the small-step forms tuned so far
         self._tuning_file = settings.tuning_file if settings else None
         self._module = model.module
@@ -220,13 +217,11 @@ class StepCompiler:
         if not self.tune or not self.programs.takes_graph(key):
             return self.kernels
         if key.program is Program.SPEC_FINISH:  # the drafter's block pass: block-size rows per request
-            steps = small_steps(self._module, (), (key.size * self.config.dspark_block_size,))
+            rows, draft_rows = (), (key.size * self.config.dspark_block_size,)
         else:
-            steps = small_steps(self._module, (key.size,))
-        if not steps:
-            return self.kernels
-        self.tuned.update(tune_small_steps([s for s in steps if s not in self.tuned], self._tuning_file))
-        return dataclasses.replace(self.kernels, moe_small_steps={s: self.tuned[s] for s in steps})
+            rows, draft_rows = (key.size,), ()
+        return bucket_kernels(self.kernels, self._module, rows=rows, draft_rows=draft_rows, tuned=self.tuned,
+                              tuning_file=self._tuning_file)
 
     def _graph(self, kernels: KernelConfig) -> ModelGraph:
         return self.graph if kernels == self.kernels else ModelGraph.split(with_kernels(self._module, kernels))[0]

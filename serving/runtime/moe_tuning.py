@@ -11,6 +11,7 @@ cache (`ExecutableCacheSettings.tuning_file`), so a restart on the same machine 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -27,10 +28,31 @@ import jaxlib
 import numpy as np
 
 from pallas_kernels import moe_xla
-from pallas_kernels.kernel_config import MoeStep
+from pallas_kernels.dispatch import resolve_impl
+from pallas_kernels.kernel_config import KernelConfig, MoeStep
 from pallas_kernels.moe_xla import SMALL_STEP_FORMS
 
 ROUNDS = 7  # timed runs of each form (after one warm-up run); the median decides
+
+
+def runtime_kernels(rc) -> tuple[KernelConfig, bool]:
+    """A runner's kernels from its `RuntimeConfig` (`kernel_impl`, `moe_small_steps`), and whether its buckets' small
+    steps are tuned: with "tune", on the XLA path (the one that reads the forms); else every small step takes the
+    rule or the one form named."""
+    fixed = "rule" if rc.moe_small_steps == "tune" else rc.moe_small_steps
+    return KernelConfig(rc.kernel_impl, moe_small_step_form=fixed), (rc.moe_small_steps == "tune"
+                                                                     and resolve_impl(rc.kernel_impl) == "xla")
+
+
+def bucket_kernels(base: KernelConfig, module, *, rows=(), draft_rows=(), tuned: dict[MoeStep, str],
+                   tuning_file: Path | None = None) -> KernelConfig:
+    """`base` with the forms of the small steps a program runs (`small_steps(module, rows, draft_rows)`), from
+    `tuned` (the forms known so far, which this extends) or else tuned now (`tune_small_steps`)."""
+    steps = small_steps(module, rows, draft_rows)
+    if not steps:
+        return base
+    tuned.update(tune_small_steps([s for s in steps if s not in tuned], tuning_file))
+    return dataclasses.replace(base, moe_small_steps={s: tuned[s] for s in steps})
 
 
 def small_steps(module, rows: Iterable[int], draft_rows: Iterable[int] = ()) -> list[MoeStep]:

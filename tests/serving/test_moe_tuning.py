@@ -18,7 +18,6 @@ from pallas_kernels.kernel_config import KernelConfig, MoeStep
 from pallas_kernels.moe_xla import SMALL_STEP_FORMS
 from serving.runtime import moe_tuning
 from serving.runtime.config import RuntimeConfig
-from serving.runtime.programs import Program
 from serving.runtime.runner import Runner
 
 # a small step (too many pairs for the per-pair form, 8 rows per expert) whose real forms take ~1 ms
@@ -92,23 +91,24 @@ def test_no_timing_inside_a_trace():
 
 
 def test_bucket_kernels_follow_the_runtime_config(monkeypatch):
-    """"rule" or a form for every small step as it is; "tune" only on the XLA path (the one that reads it), each
-    bucket with the forms of the small steps it runs."""
-    model = dsv41.random_model("tiny")
+    """"rule" or a form for every small step as it is; "tune" only on the XLA path (the one that reads it), a
+    program's kernels then holding the forms of the small steps it runs, each tuned once."""
+    module = dsv41.random_model("tiny").module
     monkeypatch.setattr(moe_xla, "GATHER_BYTES", 0)
-    monkeypatch.setattr(moe_tuning, "fastest_form", lambda s: "tiles")
-    rc = dict(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64, block_size=8, token_buckets=(4, 8))
-
-    def kernels(**kw):
-        return Runner(model, RuntimeConfig(**rc, **kw), progress=False).compiler.kernels_for(Program.SEGMENT1.at(4))
-
+    timed = []
+    monkeypatch.setattr(moe_tuning, "fastest_form", lambda s: timed.append(s) or "tiles")
     for choice in ("rule", *SMALL_STEP_FORMS):
-        assert kernels(moe_small_steps=choice) == KernelConfig("auto", moe_small_step_form=choice)
-    assert kernels(kernel_impl="reference") == KernelConfig("reference")
+        assert moe_tuning.runtime_kernels(RuntimeConfig(moe_small_steps=choice)) == (
+            KernelConfig("auto", moe_small_step_form=choice), False)
+    assert moe_tuning.runtime_kernels(RuntimeConfig(kernel_impl="reference")) == (KernelConfig("reference"), False)
+    base, tune = moe_tuning.runtime_kernels(RuntimeConfig(kernel_impl="xla"))
+    assert base == KernelConfig("xla") and tune
+    tuned = {}
     step = MoeStep(4, 2, 8, 32, 64, "float32")  # the tiny model's MoE on 4 rows
-    assert kernels(kernel_impl="xla") == KernelConfig("xla", moe_small_steps={step: "tiles"})
-    assert kernels(kernel_impl="xla").describe() == ("xla; MoE small steps (top-2 of 8 experts 32x64 float32: 4 rows "
-                                                     "tiles; others rule)")
+    kernels = moe_tuning.bucket_kernels(base, module, rows=(4,), tuned=tuned)
+    assert kernels == KernelConfig("xla", moe_small_steps={step: "tiles"}) and tuned == {step: "tiles"}
+    assert kernels.describe() == "xla; MoE small steps (top-2 of 8 experts 32x64 float32: 4 rows tiles; others rule)"
+    assert moe_tuning.bucket_kernels(base, module, rows=(4,), tuned=tuned) == kernels and timed == [step]
 
 
 def test_each_bucket_is_tuned_before_it_is_traced_and_compiles_the_tuned_forms(monkeypatch):
@@ -122,10 +122,10 @@ def test_each_bucket_is_tuned_before_it_is_traced_and_compiles_the_tuned_forms(m
     def fastest(s):
         assert not tracing, f"{s} timed while a program was traced"
         timed.append(s)
-        return SMALL_STEP_FORMS[(s.rows + s.n_experts) % 3]
+        return SMALL_STEP_FORMS[(s.rows // 3 + s.n_experts) % 3]
 
     monkeypatch.setattr(moe_tuning, "fastest_form", fastest)
-    rc = RuntimeConfig(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64, block_size=8, token_buckets=(4, 8),
+    rc = RuntimeConfig(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64, block_size=8, token_buckets=(8,),
                        swa_bounded_replay=False, speculative_config='{"method": "dspark"}')
     runner = Runner(model, rc, progress=False)
     assert timed == []
@@ -144,7 +144,7 @@ def test_each_bucket_is_tuned_before_it_is_traced_and_compiles_the_tuned_forms(m
     c = model.config
     table = runner.compiler.tuned
     backbone = {MoeStep(T, c.num_experts_per_tok, c.n_routed_experts, c.moe_intermediate_size, c.hidden_size,
-                        "float32") for T in (4, 8)}
+                        "float32") for T in (8,)}
     drafter = {MoeStep(R * c.dspark_block_size, c.dspark_num_experts_per_tok, c.dspark_n_routed_experts,
                        c.moe_intermediate_size, c.hidden_size, "float32") for R in (1, 2)}
     assert set(table) == backbone | drafter and sorted(timed) == sorted(table)

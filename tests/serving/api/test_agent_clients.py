@@ -32,8 +32,9 @@ ANTHROPIC_TOOL = {"name": "get_weather", "description": "Weather of a city", "in
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("agent-server") / "server.log"
+    # two buckets (a decode pads to 16): every program compiled before ready, few of them
     args = ["--api-key", KEY, "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--max-model-len", "2048",
-            "--block-size", "16", "--token-buckets", "8,16,32,64", "--no-background-compile", "--disable-access-log"]
+            "--block-size", "16", "--token-buckets", "16,64", "--no-background-compile", "--disable-access-log"]
     with running_server(args, log) as url:
         yield url, log
 
