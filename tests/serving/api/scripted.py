@@ -5,6 +5,7 @@ The app around it is the real one (`build_app`), so routes, schemas, parsers and
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -75,3 +76,14 @@ def scripted_app(engine: ScriptedEngine, *, api_key: str | None = None, defaults
                  store: ResponseStore | None = None):
     return build_app(engine, TOK, model_name="m", max_model_len=MAX_MODEL_LEN, api_key=api_key,
                      chat_defaults=defaults, response_store=store)
+
+
+def sse_events(text: str) -> list[dict]:
+    """A streamed body's events, each `event: <type>` line checked against its data's type."""
+    events = []
+    for block in text.strip().split("\n\n"):
+        kind, data = block.split("\n")
+        body = json.loads(data.removeprefix("data: "))
+        assert kind == f"event: {body['type']}"
+        events.append(body)
+    return events

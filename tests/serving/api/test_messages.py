@@ -10,23 +10,13 @@ from fastapi.testclient import TestClient
 
 from serving.text.encoding import dsml_tool_calls, encode_messages_to_ids
 from serving.text.template_kwargs import ChatTemplateKwargs
-from tests.serving.api.scripted import TOK, ScriptedEngine, scripted_app
+from tests.serving.api.scripted import ScriptedEngine, TOK, scripted_app, sse_events
 
 TOOL = {"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
 CHAT_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": TOOL["input_schema"]}}
 SCRIPT = ("The user wants the weather.</think>Let me check. " +
           dsml_tool_calls([("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})]))
 BODY = {"model": "m", "max_tokens": 400, "messages": [{"role": "user", "content": "Weather?"}], "tools": [TOOL]}
-
-
-def _events(text: str) -> list[dict]:
-    events = []
-    for block in text.strip().split("\n\n"):
-        kind, data = block.split("\n")
-        body = json.loads(data.removeprefix("data: "))
-        assert kind == f"event: {body['type']}"
-        events.append(body)
-    return events
 
 
 def test_whole_message_has_thinking_text_and_tool_use_blocks_and_cache_reads_apart():
@@ -46,7 +36,7 @@ def test_whole_message_has_thinking_text_and_tool_use_blocks_and_cache_reads_apa
 def test_stream_equals_whole_at_any_chunking(step):
     with TestClient(scripted_app(ScriptedEngine(SCRIPT, step=step))) as c:
         whole = c.post("/v1/messages", json=BODY).json()
-        events = _events(c.post("/v1/messages", json={**BODY, "stream": True}).text)
+        events = sse_events(c.post("/v1/messages", json={**BODY, "stream": True}).text)
     kinds = [e["type"] for e in events]
     assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
     starts = [e for e in events if e["type"] == "content_block_start"]
@@ -157,7 +147,7 @@ def test_disable_parallel_tool_use_keeps_the_first_call(stream):
     with TestClient(scripted_app(ScriptedEngine(SCRIPT, step=3))) as c:
         r = c.post("/v1/messages", json=body)
     if stream:
-        names = [e["content_block"]["type"] for e in _events(r.text) if e["type"] == "content_block_start"]
+        names = [e["content_block"]["type"] for e in sse_events(r.text) if e["type"] == "content_block_start"]
     else:
         names = [b["type"] for b in r.json()["content"]]
     assert names == ["thinking", "text", "tool_use"]

@@ -11,23 +11,13 @@ from fastapi.testclient import TestClient
 from serving.api.response_store import ResponseStore
 from serving.text.encoding import dsml_tool_calls, encode_messages_to_ids
 from serving.text.template_kwargs import ChatTemplateKwargs
-from tests.serving.api.scripted import TOK, ScriptedEngine, scripted_app
+from tests.serving.api.scripted import ScriptedEngine, TOK, scripted_app, sse_events
 
 TOOL = {"type": "function", "name": "get_weather",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}
 CHAT_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": TOOL["parameters"]}}
 SCRIPT = ("The user wants the weather.</think>Let me check. " +
           dsml_tool_calls([("get_weather", {"city": "Paris", "days": 3}), ("get_weather", {"city": "Oslo"})]))
-
-
-def _events(text: str) -> list[dict]:
-    events = []
-    for block in text.strip().split("\n\n"):
-        kind, data = block.split("\n")
-        body = json.loads(data.removeprefix("data: "))
-        assert kind == f"event: {body['type']}"
-        events.append(body)
-    return events
 
 
 def test_whole_response_has_reasoning_message_and_function_call_items():
@@ -55,7 +45,7 @@ def engine_pieces(text: str, step: int = 5) -> list[str]:
 def test_stream_equals_whole_at_any_chunking(step):
     with TestClient(scripted_app(ScriptedEngine(SCRIPT, step=step))) as c:
         whole = c.post("/v1/responses", json={"input": "Weather?", "tools": [TOOL]}).json()
-        events = _events(c.post("/v1/responses", json={"input": "Weather?", "tools": [TOOL], "stream": True}).text)
+        events = sse_events(c.post("/v1/responses", json={"input": "Weather?", "tools": [TOOL], "stream": True}).text)
     kinds = [e["type"] for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
@@ -178,6 +168,6 @@ def test_parallel_tool_calls_false_keeps_the_first_call(stream):
     with TestClient(scripted_app(ScriptedEngine(SCRIPT, step=3))) as c:
         r = c.post("/v1/responses", json={"input": "Weather?", "tools": [TOOL], "parallel_tool_calls": False,
                                           "stream": stream})
-    output = _events(r.text)[-1]["response"]["output"] if stream else r.json()["output"]
+    output = sse_events(r.text)[-1]["response"]["output"] if stream else r.json()["output"]
     calls = [json.loads(o["arguments"]) for o in output if o["type"] == "function_call"]
     assert calls == [{"city": "Paris", "days": 3}]
