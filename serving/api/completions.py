@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from serving.api.context import Context
-from serving.api.generation import (SSE_DONE, Usage, completion_logprobs, encode_text, merged, new_id, now,
+from serving.api.generation import (SSE_DONE, Usage, completion_logprobs, merged, new_id, now,
                                     prompt_logprobs_json, sse, submit_choices)
 from serving.api.protocol import CompletionRequest
 
@@ -18,7 +18,7 @@ def prompt_ids(prompt: str | list[int], tokenizer, index: int, n_prompts: int) -
             raise ValueError(f"{where}: this model has no tokenizer; send token ids")
         if not prompt:
             raise ValueError(f"{where}: must not be empty")
-        return [tokenizer.bos_id] + encode_text(tokenizer, prompt, where)
+        return [tokenizer.bos_id] + tokenizer.encode(prompt)
     if not prompt:
         raise ValueError(f"{where}: must not be empty")
     return list(prompt)

@@ -43,17 +43,6 @@ def sse(obj: dict) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def encode_text(tokenizer, text: str, where: str) -> list[int]:
-    """Token ids of a request's text; ValueError naming `where` for text that is not Unicode (a lone surrogate,
-    which a JSON `\\u` escape can carry and the tokenizer cannot take)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError(f"{where}: not valid Unicode text (it holds a lone surrogate, such as a \\ud800 escape)"
-                         ) from None
-    return tokenizer.encode(text)
-
-
 async def submit_choices(engine: AsyncEngine, base_id: str, prompt_ids: list[int], params: SamplingParams,
                          **meta) -> list[RequestStream]:
     """One engine request per choice (seeded choices get seed + index); all or none are queued."""

@@ -9,6 +9,7 @@ request whose client disconnects is aborted within a step; a streaming one when 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 from collections.abc import AsyncIterator
@@ -155,6 +156,40 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", param
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def lone_surrogate_at(body: bytes) -> str | None:
+    """Where a JSON body holds a lone UTF-16 surrogate (a `\\ud800` escape with no partner): JSON carries it, no
+    tokenizer or UTF-8 reply can, and every string field of every route would otherwise have to guard itself.
+    None when there is none (a regex over the bytes; the body is parsed only when an escape appears)."""
+    if not _SURROGATE_ESCAPE.search(body):
+        return None
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return None  # the route's own parser names the bad JSON
+
+    def walk(x, path):
+        if isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                found = walk(k, f"{path}.{ascii(k)}" if path else ascii(k)) or walk(v, f"{path}.{k}" if path else k)
+                if found:
+                    return found
+        elif isinstance(x, list):
+            for i, v in enumerate(x):
+                if found := walk(v, f"{path}.{i}" if path else str(i)):
+                    return found
+        return None
+
+    return walk(doc, "")
+
+
 PROFILE_ROUTES = ("/start_profile", "/stop_profile")
 GUARDED_ROUTES = PROFILE_ROUTES + ("/tokenize", "/detokenize")  # beside every /v1 route
 
@@ -162,7 +197,8 @@ GUARDED_ROUTES = PROFILE_ROUTES + ("/tokenize", "/detokenize")  # beside every /
 class Gate:
     """ASGI middleware in front of every route: the API key on /v1, tokenizer and profiler routes (401; as
     `Authorization: Bearer KEY` or Anthropic's `x-api-key: KEY`), and request bodies over `limit` bytes refused
-    (413), by header or while streaming in. Pure ASGI, so streaming and disconnects pass through."""
+    (413), by header or while streaming in, and bodies holding a lone surrogate (400, naming the field). Pure ASGI,
+    so streaming and disconnects pass through."""
 
     def __init__(self, app, limit: int, api_key: str | None):
         self.app, self.limit, self.api_key = app, limit, api_key
@@ -191,6 +227,9 @@ class Gate:
                     scope, receive, send)
             pending.append(msg)
             more = msg.get("more_body", False)
+        if (where := lone_surrogate_at(b"".join(m.get("body", b"") for m in pending))) is not None:
+            return await error_for(path, 400, f"{where}: not valid Unicode text (it holds a lone surrogate, such "
+                                              f"as a \\ud800 escape with no partner)", where)(scope, receive, send)
 
         async def replay():
             return pending.pop(0) if pending else await receive()

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from serving.api.context import Context
-from serving.api.generation import encode_text, token_text
+from serving.api.generation import token_text
 from serving.api.protocol import INT32_MAX
 from serving.api.turns import encode_chat
 from serving.text.template_kwargs import ChatTemplateKwargs
@@ -61,7 +61,7 @@ def _tokenizer(ctx: Context, field: str):
 async def tokenize(req: TokenizeRequest, ctx: Context, session_id: str | None) -> dict:
     if req.prompt is not None:
         tok = _tokenizer(ctx, "prompt")
-        ids = ([tok.bos_id] if req.add_special_tokens is not False else []) + encode_text(tok, req.prompt, "prompt")
+        ids = ([tok.bos_id] if req.add_special_tokens is not False else []) + tok.encode(req.prompt)
     else:
         tok = _tokenizer(ctx, "messages")
         kw = req.chat_template_kwargs or {}

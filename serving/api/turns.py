@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from serving.api.generation import Usage, encode_text
+from serving.api.generation import Usage
 from serving.api.reasoning import ReasoningParser
 from serving.api.tool_calls import ToolCall, ToolCallParser
 from serving.engine.async_engine import RequestStream
@@ -35,7 +35,7 @@ def encode_chat(tokenizer, messages: list[dict], *, tools: list[dict] | None, st
     thinking, _ = controls.resolve()
     text = encode_messages(messages, tools=tools, thinking=controls.thinking,
                            reasoning_effort=controls.reasoning_effort, add_generation_prompt=add_generation_prompt)
-    return Prompt(encode_text(tokenizer, text, "messages"), thinking)
+    return Prompt(tokenizer.encode(text), thinking)
 
 
 @dataclass(frozen=True)

@@ -90,7 +90,7 @@ class _Decoder:
             seq.append(int(self.rng.integers(3, self.vocab)))
             chunks.append(self._chunk(s, len(seq) - 1, len(seq)))
         t = time.perf_counter()
-        np.asarray(self.runner.step(chunks, [None] * len(chunks))[0])
+        np.asarray(self.runner.step(chunks, [None] * len(chunks)).tokens)
         return time.perf_counter() - t
 
 

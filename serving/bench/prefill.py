@@ -124,7 +124,7 @@ def bench_decode(r: Runner, B: int, context: int, steps: int, vocab: int, profil
             n = len(seqs[s])
             chunks.append(_chunk(r, s, seqs[s], n - 1, n, True))
         t = time.perf_counter()
-        np.asarray(r.step(chunks, [None] * B)[0])
+        np.asarray(r.step(chunks, [None] * B).tokens)
         return time.perf_counter() - t
 
     step()  # the first step warms caches and allocators

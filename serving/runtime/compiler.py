@@ -77,7 +77,7 @@ class StepCompiler:
         settings = executable_cache
         # The programs run the model's module with the runtime's kernels; `model` itself is left as it is. MoE small
         # steps on the XLA path with moe_small_steps="tune" take the form timed for their shape, just before their
-        # bucket is traced (`graph_for`): a bucket compiled in the background is tuned there too.
+        # bucket is traced (`kernels_for`): a bucket compiled in the background is tuned there too.
         self.kernels, self.tune = runtime_kernels(rc)
         self.tuned: dict[MoeStep, str] = {}  # the small-step forms tuned so far
         self._tuning_file = settings.tuning_file if settings else None

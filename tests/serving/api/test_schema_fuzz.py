@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 
 from serving.text.encoding import dsml_tool_calls
 from tests.serving.api.schema_strategies import from_schema
-from tests.serving.api.scripted import ScriptedEngine, scripted_app
+from tests.serving.api.scripted import TOK, ScriptedEngine, scripted_app
 
 ROUTES = {"/v1/responses": "ResponsesRequest", "/v1/messages": "MessagesRequest",
           "/v1/messages/count_tokens": "CountTokensRequest", "/tokenize": "TokenizeRequest",
           "/detokenize": "DetokenizeRequest"}
-EXAMPLES = 60  # per route; the whole module runs in seconds
+EXAMPLES = 60  # per route, the same ones each run (derandomized: CI stays reproducible); raise it to search wider
 SCRIPT = "Weigh it.</think>Here. " + dsml_tool_calls([("get_weather", {"city": "Bath"})])
 APP = scripted_app(ScriptedEngine(SCRIPT, step=6))
 OPENAPI = APP.openapi()
@@ -36,7 +36,7 @@ def client():
 def test_no_body_drawn_from_the_schema_gets_a_5xx(client, route):
     schema = from_schema({"$ref": ROUTES[route]}, OPENAPI["components"]["schemas"])
 
-    @settings(max_examples=EXAMPLES, deadline=None, database=None,
+    @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large])
     @given(body=schema, data=st.data())
     def check(body, data):
@@ -53,6 +53,25 @@ def test_no_body_drawn_from_the_schema_gets_a_5xx(client, route):
             assert message and (payload.get("type") == "error") == route.startswith("/v1/messages"), payload
 
     check()
+
+
+@pytest.mark.parametrize("route,body,where", [
+    ("/v1/responses", '{"input": "", "user": "\\ud800"}', "user"),  # echoed back in the response object
+    ("/v1/messages", '{"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}], '
+                     '"metadata": {"user_id": "a\\udfff"}}', "metadata.user_id"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": ["x", "\\udc00"]}]}', "messages.0.content.1"),
+    ("/tokenize", '{"prompt": "ok", "\\ud8ff": 1}', "'\\ud8ff'"),
+])
+def test_a_lone_surrogate_anywhere_is_a_400_naming_where(client, route, body, where):
+    r = client.post(route, content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert message.startswith(f"{where}: not valid Unicode text"), message
+
+
+def test_a_surrogate_pair_is_one_character_and_passes(client):
+    r = client.post("/tokenize", content='{"prompt": "\\ud83d\\ude00"}', headers={"Content-Type": "application/json"})
+    assert r.status_code == 200 and r.json()["tokens"][1:] == TOK.encode("\U0001f600"), r.text
 
 
 def test_the_schema_states_the_limits():

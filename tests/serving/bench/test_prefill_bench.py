@@ -138,3 +138,19 @@ def test_prefill_flops_with_decoder_replay_run_the_layers_after_the_cut_on_the_l
     full = sum(decoder_attention(t, 0) for t in range(n)) + 2.0 * decoder_params * n
     kept = sum(decoder_attention(t, n - W) for t in range(n - W, n)) + 2.0 * decoder_params * W
     np.testing.assert_allclose(prefill_flops(c, n) - prefill_flops(c, n, decoder_rows=W), full - kept, rtol=1e-12)
+
+
+def test_decode_steps_run_and_time_each_step():
+    """`bench_decode` prefills the context and times each decode step of B requests (the step's sampled tokens read
+    back), on the buckets `_keys` compiles for it."""
+    from argparse import Namespace
+
+    from serving.bench.prefill import _keys, _runner, bench_decode
+
+    m = dsv41.random_model("tiny", seed=0)
+    args = Namespace(decode_batches=[2], decode_context=24, decode_steps=2, block_size=16, kernel_impl="xla",
+                     kv_cache_dtype="auto", quiet=True)
+    r = _runner(m, args, [32], True)
+    r.compiler.precompile(_keys(r, [32], args, decodes=True))
+    seconds, rates = bench_decode(r, 2, 24, 3, m.config.vocab_size)
+    assert len(seconds) == 3 and all(s > 0 for s in seconds) and rates == []
