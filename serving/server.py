@@ -87,9 +87,11 @@ def main(argv: list[str] | None = None) -> None:
     per_rank = f" ({engine.runner.ranks} data-parallel ranks)" if engine.runner.ranks > 1 else ""
     compiled = len(engine.runner.compiler.compiled_keys)
     compiler = engine.runner.compiler
-    rest = "" if compiler.background_done else f" ({compiled} before ready, the others in the background)"
+    rest = ("" if compiler.background_done else
+            f" ({compiled} of {len(compiler.bucket_keys())} programs compiled before ready, the others compiling)")
     _say(f"KV cache: {engine.scheduler.num_blocks} blocks of {engine.scheduler.block_size} tokens{per_rank}, "
-         f"{kv['total_bytes'] / 2**20:.1f} MiB; {len(engine.runner.buckets.tokens)} token buckets{rest}")
+         f"{kv['total_bytes'] / 2**20:.1f} MiB; token buckets {list(engine.runner.buckets.tokens)}, kept-row "
+         f"buckets {list(engine.runner.buckets.kept)}{rest}")
     _say(f"replay: {engine.runner.replay_summary()}")
     _say(f"kernels: {engine.runner.compiler.describe_kernels()}")
     _say(f"scheduling: {engine.scheduling_summary()}")
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
 
     async def serve():
         aengine.start(asyncio.get_running_loop())
-        ready = asyncio.create_task(_announce(server, f"http://{srv.host}:{srv.port}", src.name, t0))
+        ready = asyncio.create_task(_announce(server, f"http://{srv.host}:{srv.port}", src.name, t0, compiler))
         try:
             await server.serve()
         finally:
@@ -129,11 +131,17 @@ def _chat_defaults(srv: ServerArgs, src) -> tuple[ChatTemplateKwargs, str]:
     return ChatTemplateKwargs(), "V4.1's recipe; --default-chat-template-kwargs changes it"
 
 
-async def _announce(server, url: str, name: str, t0: float) -> None:
+async def _announce(server, url: str, name: str, t0: float, compiler) -> None:
+    """'ready' when the server answers, then 'all programs compiled' when the last step bucket is (full speed:
+    until then a step whose bucket is still compiling runs padded to a larger one, beside the compiler)."""
     while not server.started:
         await asyncio.sleep(0.05)
     _say(f"ready in {time.perf_counter() - t0:.1f}s: serving {name!r} at {url}/v1 (OpenAI API), "
          f"{url}/health, {url}/metrics")
+    while compiler.all_compiled_at is None:
+        await asyncio.sleep(0.25)
+    _say(f"all programs compiled {compiler.all_compiled_at - t0:.1f}s after launch "
+         f"({len(compiler.compiled_keys)} step programs)")
 
 
 def _say(msg: str) -> None:

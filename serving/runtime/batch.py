@@ -83,17 +83,28 @@ class EngramHashing(NamedTuple):
 
 @dataclass(frozen=True)
 class Buckets:
-    """Padded shapes: token counts, from which tile counts derive; request arrays have a fixed size."""
+    """Padded shapes: token counts, from which tile counts derive, and kept-row counts (segment 2's rows: default
+    the token counts); request arrays have a fixed size."""
 
     tokens: tuple[int, ...]
     max_num_seqs: int
     tile: int
+    kept: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if not self.kept:
+            object.__setattr__(self, "kept", self.tokens)
+        if self.kept[-1] != self.tokens[-1]:
+            raise ValueError(f"the kept-row buckets {self.kept} must end at the largest token bucket {self.tokens[-1]}")
 
     def token_bucket(self, n: int) -> int:
         for b in self.tokens:
             if b >= n:
                 return b
         raise ValueError(f"{n} tokens exceed the largest token bucket {self.tokens[-1]}")
+
+    def kept_bucket(self, n: int) -> int:
+        return next(b for b in self.kept if b >= n)  # kept rows never exceed the step's tokens
 
     def requests(self, kept_rows: int) -> int:
         """The most requests a step with `kept_rows` kept rows holds: each has a kept row (its last) of its own, so
@@ -109,21 +120,32 @@ class Buckets:
         return max_tiles(tokens, self.max_num_seqs, self.tile_size(tokens))
 
 
-def token_ladder(max_tokens: int, window: int, smallest: int = 1) -> tuple[int, ...]:
-    """Powers of two from `smallest` below the window (decode batches), then the window times 1, 2, 3, 4, 6,
-    8, 12, ... (each prefill keeps `window` rows after the cut, so segment 2's row counts are near multiples
-    of it; the geometric 1-2-3-4-6-8 series keeps padding under 50% with few compiled shapes), ending at
-    max_tokens."""
-    out, b = [], smallest
-    while b < min(window, max_tokens):
-        out.append(b)
+def token_ladder(max_tokens: int, window: int, smallest: int = 1, max_seqs: int | None = None, *,
+                 kept: bool = False) -> tuple[int, ...]:
+    """The token buckets (`kept`: segment 2's kept-row buckets), chosen by what padding a step up to the next bucket
+    costs (measured on nano-austen, bf16, XLA:CPU: docs/design/measurements.md, "Token buckets"): a bucket is kept
+    where the steps it serves would run more than ~15% slower padded to the next one, and each costs a compiled
+    program (~4.5-7 s each there).
+
+    Decode batches: `smallest`, then powers of two from 8 up to `max_seqs` (a decode step of 2-4 rows costs ~13% more
+    padded to 8; of 9-16 rows ~50% more padded to 32), below the window. Above that, tiled attention takes over, so
+    a step of more rows than `max_seqs` goes straight to the window (measured: a 64-row bucket ran slower than the
+    128-row one). Prefill tokens: the window, 4x the window (a 256-token prefill ran 12% slower padded to 512), then
+    doubling, ending at max_tokens. Kept rows: the window, then doubling (a step prefilling one prompt beside its
+    decodes keeps the window's rows plus one per decode: padded from 256 to 512 they cost the served c=8 waves 9%)."""
+    top = min(window, max_tokens)
+    out, b = {smallest}, 8
+    while b < top and (max_seqs is None or b <= max_seqs):
+        out.add(b)
         b *= 2
-    m = 1
-    while window * m < max_tokens:
-        out.append(window * m)
-        m = m * 3 // 2 if m & (m - 1) == 0 and m >= 2 else m * 4 // 3 if m >= 3 else m + 1
-    out.append(max_tokens)
-    return tuple(sorted(set(out)))
+    if max_seqs is not None and smallest < max_seqs < top:
+        out.add(max_seqs)
+    m = window
+    while m < max_tokens:
+        out.add(m)
+        m = m * 4 if m == window and not kept else m * 2
+    out.add(max_tokens)
+    return tuple(sorted(b for b in out if b <= max_tokens))
 
 
 def build_step(chunks: Sequence[SeqChunk], buckets: Buckets, *, max_blocks: int, window: int, block_size: int,
@@ -199,7 +221,7 @@ def build_step(chunks: Sequence[SeqChunk], buckets: Buckets, *, max_blocks: int,
     n = len(chunks)
     query_tiles = plan_tiles(first[:n], qlen[:n], buckets.tile_size(T), buckets.tiles(T))
     rows = Rows(ids, pos, req, valid, first, qlen, query_tiles, hash_ids, prev, look_back)
-    K = kept_bucket or buckets.token_bucket(len(kept_idx))
+    K = kept_bucket or buckets.kept_bucket(len(kept_idx))
     pad = K - len(kept_idx)
     kept_tiles = plan_tiles(kept_first[:n], kept_qlen[:n], buckets.tile_size(K), buckets.tiles(K))
     kept = KeptRows(np.array(kept_idx + [0] * pad, np.int32), np.arange(K) < len(kept_idx), kept_first, kept_qlen,

@@ -3,18 +3,21 @@ kernels, the step programs (`programs.StepPrograms`) and each bucket's executabl
 
 Buckets: segment 1 by the step's token count, segment 2 by its kept-row count (the CED trimming), the sampler (or
 the speculative programs) by its requests. Every bucket is compiled ahead of time (`precompile`, with a progress
-bar): all of them, or with `background` the largest of each family first and the rest in a daemon thread, a step
-whose own bucket is not ready meanwhile running padded to one that is. The serving loop never compiles: a step
-whose bucket is missing raises `CompileInServingLoop`. Programs are loaded from and saved to the executable cache
-(`serving.runtime.exe_cache`) when one is given.
+bar, one program per core at a time): all of them, or with `background` the essential ones first (the largest of
+each family, and the segments at a decode step of every slot) and the rest in a daemon thread, a step whose own
+bucket is not ready meanwhile running padded to one that is. The serving loop never compiles: a step whose bucket
+is missing raises `CompileInServingLoop`. Programs are loaded from and saved to the executable cache
+(`serving.runtime.exe_cache`) the moment each is compiled, background ones included.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Sequence
 
@@ -44,12 +47,15 @@ class CompileInServingLoop(RuntimeError):
 class StepCompiler:
     def __init__(self, model, rc: RuntimeConfig, *, placement=None, expert_counts: bool = False,
                  segment1_constants: tuple = (), executable_cache: ExecutableCacheSettings | None = None,
-                 progress: bool = True):
+                 progress: bool = True, workers: int | None = None):
         """`placement` (sharding.runtime.MeshPlacement): programs per data-parallel rank on a mesh; None: one
         device. `expert_counts`: the segments also return the MoE layers' per-expert token counts.
         `segment1_constants`: the device arrays segment 1 takes after its batch (the previous step's sampled tokens,
-        Engram's token terms), whose shapes and shardings its programs are compiled for."""
+        Engram's token terms), whose shapes and shardings its programs are compiled for. `workers`: programs
+        compiled at once before the first step (default: one per core, at most 8; XLA compiles a program mostly on
+        one thread)."""
         c = model.config
+        self.workers = workers or min(8, os.cpu_count() or 1)
         self.rc, self.config, self.placement, self.progress = rc, c, placement, progress
         self.ranks = placement.ranks if placement else 1
         self.spec = SpeculativeConfig.parse(rc.speculative_config)
@@ -63,14 +69,17 @@ class StepCompiler:
         self.verify_rows = 1 + c.dspark_block_size if self.spec else 1
         self.layout = plan_layout(c, rc, model.dtype, draft_stages=c.num_nextn_predict_layers if self.spec else 0)
         smallest = _smallest_bucket(model.dtype)
-        ladder = (tuple(sorted({max(b, smallest) for b in rc.token_buckets})) if rc.token_buckets
-                  else token_ladder(rc.max_num_batched_tokens, c.sliding_window, smallest=smallest))
-        self.buckets = Buckets(ladder, rc.max_num_seqs, rc.tile)
+        if rc.token_buckets:
+            ladder = kept = tuple(sorted({max(b, smallest) for b in rc.token_buckets}))
+        else:
+            ladder, kept = (token_ladder(rc.max_num_batched_tokens, c.sliding_window, smallest=smallest,
+                                         max_seqs=rc.max_num_seqs, kept=k) for k in (False, True))
+        self.buckets = Buckets(ladder, rc.max_num_seqs, rc.tile, kept)
         # The sampler runs on each rank's first n logit rows, n a bucket of the step's requests (`sample_rows`);
         # verification and drafting on the step's requests only, padded to a power of two (a draft pass costs
         # block-size rows per request: padding it to max_num_seqs made a c=1 step far slower than a plain one,
         # docs/design/measurements.md).
-        self.sample_rows = tuple(sorted({self.buckets.requests(t) for t in self.buckets.tokens}))
+        self.sample_rows = tuple(sorted({self.buckets.requests(k) for k in self.buckets.kept}))
         self.spec_rows = _spec_rows(rc) if self.spec else ()
         self.builder = StepBuilder(model, self.layout, self.buckets, ranks=self.ranks,
                                    max_model_len=rc.max_model_len, verify_rows=self.verify_rows)
@@ -98,6 +107,7 @@ class StepCompiler:
         self._exe: dict[BucketKey, jax.stages.Compiled] = {}  # filled by precompile (and its background thread)
         self._background: threading.Thread | None = None
         self.compile_seconds = 0.0
+        self.all_compiled_at: float | None = None  # time.perf_counter() when the last bucket was ready
 
     # ------------------------------------------------------------------ parameters
     def flatten(self, module) -> list[jax.Array]:
@@ -117,19 +127,24 @@ class StepCompiler:
     # ------------------------------------------------------------------ buckets
     def bucket_keys(self) -> list[BucketKey]:
         """Every bucket a step can run on."""
-        T = self.buckets.tokens
+        T, K = self.buckets.tokens, self.buckets.kept
         if self.spec:
             last = [p.at(r) for r in self.spec_rows for p in (Program.SPEC_SNAPSHOT, Program.SPEC_FINISH)]
         else:
             last = [Program.SAMPLE.at(n) for n in self.sample_rows]
-        return [Program.SEGMENT1.at(t) for t in T] + [Program.SEGMENT2.at(t) for t in T] + last
+        return [Program.SEGMENT1.at(t) for t in T] + [Program.SEGMENT2.at(k) for k in K] + last
 
     def essential_keys(self) -> list[BucketKey]:
-        """The buckets any step can run on: the largest of each family (a smaller step pads up to it)."""
+        """The buckets compiled before the server is ready: the largest of each family (any step can pad up to it),
+        and the segments' bucket that holds a decode step of every slot (so no decode step pads up to a
+        prefill-sized program while the others compile)."""
+        rows = min(self.rc.max_num_seqs, self.buckets.tokens[-1])
         largest: dict[Program, BucketKey] = {}
         for key in self.bucket_keys():  # each family's keys in ascending size
             largest[key.program] = key
-        return list(largest.values())
+        segments = [Program.SEGMENT1.at(self.buckets.token_bucket(rows)),
+                    Program.SEGMENT2.at(self.buckets.kept_bucket(rows))]
+        return list(largest.values()) + [k for k in segments if k not in largest.values()]
 
     def fit(self, program: Program, n: int, sizes: Sequence[int]) -> int:
         """The smallest size >= n whose bucket of `program` is compiled; the smallest that fits if none is (the
@@ -156,46 +171,64 @@ class StepCompiler:
 
     # ------------------------------------------------------------------ compilation
     def precompile(self, keys: Sequence[BucketKey] | None = None, *, background: bool = False) -> float:
-        """Compile every bucket (or `keys`); returns the seconds spent. `background`: compile only the essential
-        keys now and the others (smallest first: decode steps gain most) in a daemon thread; until a step's own
-        bucket is ready it runs padded to the smallest compiled one that fits (`background_done` tells when all
-        are). A key outside `bucket_keys()` is refused: no step would ever run it."""
+        """Compile every bucket (or `keys`), `workers` at a time; returns the seconds spent. `background`: compile
+        only the essential keys now and the others (smallest first: decode steps gain most) in a daemon thread, one
+        at a time (two threads, or one at the lowest CPU priority, took longer beside a busy serving loop:
+        docs/design/measurements.md); until a step's own bucket is ready it runs padded to the smallest compiled one
+        that fits (`background_done` tells when all are). A key outside `bucket_keys()` is refused: no step would
+        ever run it."""
         known = self.bucket_keys()
         keys = list(keys or known)
         if unused := [k for k in keys if k not in known]:
             raise ValueError(f"bucket keys {unused} are not among this runner's bucket_keys() {known}: no step "
                              "runs them")
-        if background:
-            now = [k for k in self.essential_keys() if k in keys]
-            order = list(Program)  # at one size: segments, then what follows them (a snapshot before its finish)
-            rest = sorted((k for k in keys if k not in now), key=lambda k: (k.size, order.index(k.program)))
-            seconds = self.precompile(now)
-            self._background = threading.Thread(target=self._compile_rest, args=(rest,), name="precompile",
-                                                daemon=True)
-            self._background.start()
-            return seconds
+        if not background:
+            return self._compile_all(keys, bar=self.progress)
+        now = [k for k in self.essential_keys() if k in keys]
+        order = list(Program)  # at one size: segments, then what follows them (a snapshot before its finish)
+        rest = sorted((k for k in keys if k not in now), key=lambda k: (k.size, order.index(k.program)))
+        seconds = self._compile_all(now, bar=self.progress)
+        self._background = threading.Thread(target=self._compile_rest, args=(rest,), name="precompile", daemon=True)
+        self._background.start()
+        return seconds
+
+    def _compile_all(self, keys: list[BucketKey], *, bar: bool, workers: int | None = None) -> float:
         start = time.perf_counter()
-        for n, key in enumerate(keys):
-            if key not in self._exe:
-                self._compile(key)
-            if self.progress:
-                _bar(n + 1, len(keys), f"precompiling {key!r}", time.perf_counter() - start)
+        todo = [k for k in keys if k not in self._exe]
+        # MoE tuning times kernels eagerly: every bucket's forms are found first, one at a time, before any compile
+        # runs beside the timing
+        kernels = {k: self.kernels_for(k) for k in todo}
+        done = len(keys) - len(todo)
+        threads = max(1, min(workers or self.workers, len(todo)))
+        with ThreadPoolExecutor(threads, thread_name_prefix="compile") as pool:
+            futures = []
+            for k in todo:
+                # a clear error, not a crash, where the process would run out of memory maps: asked here, one program
+                # at a time, so the first refusal starts nothing more
+                map_limit.GUARD.before_compile()
+                futures.append(pool.submit(lambda k=k: self._compile(k, kernels[k]) or k))
+            for key in (f.result() for f in as_completed(futures)):
+                done += 1
+                if bar:
+                    _bar(done, len(keys), f"precompiled {key!r}", time.perf_counter() - start)
+        if bar and not todo:
+            _bar(len(keys), len(keys), "precompiled (all loaded)", time.perf_counter() - start)
+        self._note_if_all_compiled()
         return time.perf_counter() - start
 
     def _compile_rest(self, keys: list[BucketKey]) -> None:
-        start = time.perf_counter()
-        for key in keys:
-            if key not in self._exe:
-                self._compile(key)
+        seconds = self._compile_all(keys, bar=False, workers=1)
         if self.progress:
-            sys.stderr.write(f"[dsv41-jax] background: the other {len(keys)} buckets ready in "
-                             f"{time.perf_counter() - start:.1f}s\n")
+            sys.stderr.write(f"[dsv41-jax] background: the other {len(keys)} buckets ready in {seconds:.1f}s\n")
 
-    def _compile(self, key: BucketKey) -> None:
-        map_limit.GUARD.before_compile()  # a clear error, not a crash, where the process runs out of memory maps
+    def _note_if_all_compiled(self) -> None:
+        if self.all_compiled_at is None and all(k in self._exe for k in self.bucket_keys()):
+            self.all_compiled_at = time.perf_counter()
+
+    def _compile(self, key: BucketKey, kernels: KernelConfig | None = None) -> None:
         t = time.perf_counter()
         specs = self.example_args(key)
-        kernels = self.kernels_for(key)
+        kernels = kernels or self.kernels_for(key)
         name = (key, kernels) if self.programs.takes_graph(key) else key  # a program is the kernels it was traced for
         exe = self.exe_cache.load(name, specs, self.devices) if self.exe_cache else None
         if exe is None:

@@ -163,9 +163,9 @@ class Runner:
         """The step's batch on the smallest compiled buckets that hold its busiest rank."""
         by_rank, where = self._builder.split(chunks)
         tokens, kept = self._builder.demand(by_rank)
-        sizes = self.buckets.tokens
-        return self._builder.build(by_rank, where, self.compiler.fit(Program.SEGMENT1, tokens, sizes),
-                                   self.compiler.fit(Program.SEGMENT2, kept, sizes))
+        b = self.buckets
+        return self._builder.build(by_rank, where, self.compiler.fit(Program.SEGMENT1, tokens, b.tokens),
+                                   self.compiler.fit(Program.SEGMENT2, kept, b.kept))
 
     def _segments(self, built: BuiltStep, prev: LaunchedStep | None = None) -> SegmentsOnDevice:
         batch = built.batch

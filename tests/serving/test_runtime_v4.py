@@ -134,19 +134,23 @@ def test_replay_on_prefix_hit_equals_bounded_reference(model, bounded):
 
 
 def test_background_compile_serves_padded_until_its_bucket_is_ready(model):
-    """precompile(background=True) returns once the largest buckets are compiled: a 3-token step runs padded to
-    them, then on its own bucket once the background thread is done - the same logits either way."""
-    r = Runner(model, RuntimeConfig(**RC, swa_bounded_replay=False), progress=False)
+    """precompile(background=True) returns once the essential buckets are compiled - the largest, and the one a decode
+    of every slot takes - : a 12-token step runs padded to them, then on its own bucket once the background thread
+    is done - the same logits either way."""
+    r = Runner(model, RuntimeConfig(**{**RC, "token_buckets": (8, 16, 64)}, swa_bounded_replay=False), progress=False)
     compiler = r.compiler
     compiler.precompile(background=True)
-    assert set(compiler.essential_keys()) <= set(compiler.compiled_keys)
-    assert compiler.essential_keys()[0] == Program.SEGMENT1.at(64)
+    essential = compiler.essential_keys()
+    assert set(essential) <= set(compiler.compiled_keys)
+    assert essential[0] == Program.SEGMENT1.at(64) and Program.SEGMENT1.at(8) in essential  # max_num_seqs 4 -> 8
+    assert Program.SEGMENT1.at(16) not in essential
     d = Driver(r)
-    d.start("a", _prompt(8, 6))
-    early = d.step({"a": 3})["a"]  # whichever compiled bucket >= 3 is ready now (64 at the latest)
+    d.start("a", _prompt(8, 30))
+    early = d.step({"a": 12})["a"]  # whichever compiled bucket >= 12 is ready now (64 at the latest)
     compiler._background.join()
     assert compiler.background_done and set(compiler.compiled_keys) == set(compiler.bucket_keys())
-    assert compiler.fit(Program.SEGMENT1, 3, r.buckets.tokens) == 8
-    late = d.step({"a": 3})["a"]
+    assert compiler.all_compiled_at is not None
+    assert compiler.fit(Program.SEGMENT1, 12, r.buckets.tokens) == 16
+    late = d.step({"a": 12})["a"]
     ref = full_logits(model, d.reqs["a"].tokens)
-    assert max(float(np.abs(early - ref[2]).max()), float(np.abs(late - ref[5]).max())) <= TOL
+    assert max(float(np.abs(early - ref[11]).max()), float(np.abs(late - ref[23]).max())) <= TOL

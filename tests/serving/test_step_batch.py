@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from serving.runtime.batch import Buckets, SeqChunk, build_step
+from serving.runtime.batch import Buckets, SeqChunk, build_step, token_ladder
 from serving.runtime.step import PackedBatch, StepBatch, unpacked
 
 W, BS, TILE = 8, 8, 4
@@ -172,3 +172,22 @@ def test_engram_ids_of_a_step_are_each_sequences_hash_ids():
     want = layout.look_back(ngram_windows(toks[1], 30, c.engram_max_ngram_size)[:, 1:], token_map)
     np.testing.assert_array_equal(rows.engram_look_back_RLS2[1], want[0])
     assert not rows.engram_look_back_RLS2[[0, 2, 3]].any()
+
+
+def test_the_token_ladder_keeps_the_buckets_padding_would_cost():
+    """Decode: the smallest, then powers of two from 8 up to max_num_seqs; prefill: the window, 4x it, then doubling
+    to the budget (docs/design/measurements.md, "Token buckets")."""
+    assert token_ladder(512, 128, smallest=2, max_seqs=32) == (2, 8, 16, 32, 128, 512)  # the CPU server's default
+    assert token_ladder(8192, 128, smallest=1, max_seqs=256) == (1, 8, 16, 32, 64, 128, 512, 1024, 2048, 4096, 8192)
+    assert token_ladder(2048, 128, smallest=1, max_seqs=12) == (1, 8, 12, 128, 512, 1024, 2048)
+    assert token_ladder(64, 128, smallest=1, max_seqs=32) == (1, 8, 16, 32, 64)  # a budget under the window
+    assert token_ladder(4, 128, smallest=2, max_seqs=4) == (2, 4)
+    assert token_ladder(512, 128, smallest=2, max_seqs=32, kept=True) == (2, 8, 16, 32, 128, 256, 512)
+    assert token_ladder(2048, 128, smallest=1, max_seqs=32, kept=True) == (1, 8, 16, 32, 128, 256, 512, 1024, 2048)
+
+
+def test_kept_rows_have_their_own_buckets_ending_at_the_largest_token_bucket():
+    b = Buckets((8, 64), max_num_seqs=4, tile=TILE, kept=(8, 32, 64))
+    assert (b.token_bucket(20), b.kept_bucket(20)) == (64, 32) and Buckets((8, 64), 4, TILE).kept == (8, 64)
+    with pytest.raises(ValueError, match="must end at the largest token bucket 64"):
+        Buckets((8, 64), max_num_seqs=4, tile=TILE, kept=(8, 32))
