@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def measure(args) -> dict:
     buckets = tuple(int(b) for b in args.token_buckets.split(","))
+    if args.context > max(buckets):
+        raise SystemExit(f"--context {args.context} must fit the largest bucket {max(buckets)} (one prefill step each)")
     ea = EngineArgs.of(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max(buckets), token_buckets=buckets,
                        max_model_len=max(max(buckets), args.context + 64))
     src = load_model(ModelArgs(model=args.model), 0)
