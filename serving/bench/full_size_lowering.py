@@ -35,6 +35,7 @@ from dsv41.layers.engram import EngramLayout, EngramRows
 from dsv41.model import Transformer
 from serving.bench.hlo_text import merged, stablehlo_collectives
 from serving.bench.layout_memory import abstract_mesh
+from serving.runtime.batch import token_ladder
 from serving.runtime.config import RuntimeConfig
 from serving.runtime.programs import Program
 from serving.runtime.runner import Runner
@@ -160,4 +161,24 @@ def report(preset: str, pc: ParallelConfig, *, weights: str = "release", prefill
         step["explicit_collectives"] = ops
         step["explicit_collective_bytes"] = sum(v["bytes"] for v in ops.values())
         out["steps"][name] = step
+    out["default_ladder"] = default_ladder(runner.config, decode_batch, prefill_tokens, out["steps"])
+    return out
+
+
+def default_ladder(c, decode_batch: int, prefill_tokens: int, steps: dict) -> dict:
+    """The programs a server with these capacities compiles by default (`token_ladder`'s token and kept-row buckets,
+    a sampler per distinct request bucket) and, where the steps were compiled, the seconds all of them would take
+    one after another on XLA:CPU: each bucket at or below `decode_batch` as the decode step's segments, each larger
+    one as the prefill's (lowering included; the sampler's seconds left out)."""
+    tokens = token_ladder(prefill_tokens, c.sliding_window, 1, decode_batch)
+    kept = token_ladder(prefill_tokens, c.sliding_window, 1, decode_batch, kept=True)
+    samplers = len({min(decode_batch, k) for k in kept})
+    out = {"token_buckets": list(tokens), "kept_row_buckets": list(kept),
+           "programs": len(tokens) + len(kept) + samplers}
+    if all("compile_s" in s for s in steps.values()):
+        def seconds(size: int, segment: str) -> float:
+            s = steps["decode" if size <= decode_batch else "prefill"]
+            return s["compile_s"][segment] + s["lower_s"] / 2
+        out["estimated_all_compiled_s_one_thread"] = round(
+            sum(seconds(t, "segment1") for t in tokens) + sum(seconds(k, "segment2") for k in kept))
     return out

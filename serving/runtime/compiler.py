@@ -173,10 +173,10 @@ class StepCompiler:
     def precompile(self, keys: Sequence[BucketKey] | None = None, *, background: bool = False) -> float:
         """Compile every bucket (or `keys`), `workers` at a time; returns the seconds spent. `background`: compile
         only the essential keys now and the others (smallest first: decode steps gain most) in a daemon thread, one
-        at a time (two threads, or one at the lowest CPU priority, took longer beside a busy serving loop:
-        docs/design/measurements.md); until a step's own bucket is ready it runs padded to the smallest compiled one
-        that fits (`background_done` tells when all are). A key outside `bucket_keys()` is refused: no step would
-        ever run it."""
+        at a time on a CPU backend (two threads, or one at the lowest CPU priority, took longer beside a busy serving
+        loop: docs/design/measurements.md), `workers` at a time on an accelerator; until a step's own bucket is
+        ready it runs padded to the smallest compiled one that fits (`background_done` tells when all are). A key
+        outside `bucket_keys()` is refused: no step would ever run it."""
         known = self.bucket_keys()
         keys = list(keys or known)
         if unused := [k for k in keys if k not in known]:
@@ -217,7 +217,8 @@ class StepCompiler:
         return time.perf_counter() - start
 
     def _compile_rest(self, keys: list[BucketKey]) -> None:
-        seconds = self._compile_all(keys, bar=False, workers=1)
+        # on a CPU backend the steps run on the cores a compile would take; on an accelerator they leave them free
+        seconds = self._compile_all(keys, bar=False, workers=1 if jax.default_backend() == "cpu" else None)
         if self.progress:
             sys.stderr.write(f"[dsv41-jax] background: the other {len(keys)} buckets ready in {seconds:.1f}s\n")
 

@@ -4,7 +4,8 @@ path) and v41-flash's TP4 steps in the release formats."""
 
 import pytest
 
-from serving.bench.full_size_lowering import report
+from dsv41.config import load_config
+from serving.bench.full_size_lowering import default_ladder, report
 from serving.bench.hlo_text import stablehlo_collectives
 from sharding.mesh import ParallelConfig
 
@@ -31,6 +32,21 @@ module @jit_f {
 def test_stablehlo_collectives_counts_calls_and_regions():
     assert stablehlo_collectives(SHLO) == {"all_to_all": {"count": 1, "bytes": 8 * 64 * 2},
                                            "all_reduce": {"count": 2, "bytes": 2 * 2 * 16 * 4}}
+
+
+def test_the_default_ladder_counts_programs_and_sums_the_compiled_steps():
+    """v41-flash at 64 decode rows / 8,192 prefill tokens per rank: 11 token buckets, 12 kept-row buckets, 5 samplers;
+    each bucket priced as the decode or the prefill step it is closest to (docs/design/memory-plan.md's figures)."""
+    c = load_config("v41-flash")
+    steps = {"decode": {"lower_s": 15.7, "compile_s": {"segment1": 61.2, "segment2": 73.9}},
+             "prefill": {"lower_s": 24.0, "compile_s": {"segment1": 80.9, "segment2": 70.6}}}
+    out = default_ladder(c, 64, 8192, steps)
+    assert out["token_buckets"] == [1, 8, 16, 32, 64, 128, 512, 1024, 2048, 4096, 8192]
+    assert out["kept_row_buckets"] == [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+    assert out["programs"] == 11 + 12 + 5
+    decode_pair, prefill_1, prefill_2 = 61.2 + 73.9 + 15.7, 80.9 + 12.0, 70.6 + 12.0
+    assert out["estimated_all_compiled_s_one_thread"] == round(5 * decode_pair + 6 * prefill_1 + 7 * prefill_2)
+    assert "estimated_all_compiled_s_one_thread" not in default_ladder(c, 64, 8192, {"decode": {}, "prefill": {}})
 
 
 def test_tiny_dep4_steps_lower_on_an_abstract_mesh():
