@@ -220,7 +220,7 @@ class StepCompiler:
         # on a CPU backend the steps run on the cores a compile would take; on an accelerator they leave them free
         seconds = self._compile_all(keys, bar=False, workers=1 if jax.default_backend() == "cpu" else None)
         if self.progress:
-            sys.stderr.write(f"[dsv41-jax] background: the other {len(keys)} buckets ready in {seconds:.1f}s\n")
+            sys.stderr.write(f"[dsv41-jax] background: the other {len(keys)} programs compiled in {seconds:.1f}s\n")
 
     def _note_if_all_compiled(self) -> None:
         if self.all_compiled_at is None and all(k in self._exe for k in self.bucket_keys()):

@@ -28,13 +28,29 @@ TOK = byte_level_tokenizer(512)
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server_log(tmp_path_factory):
+    return tmp_path_factory.mktemp("server") / "server.log"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, server_log):
     args = ["--model", "tiny", "--api-key", KEY, "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
             "--max-model-len", "2048", "--block-size", "16", "--token-buckets", "8,16,32,64", "--no-background-compile",
             "--disable-access-log", "--max-request-body-bytes", "200000",
             "--profile-dir", str(tmp_path_factory.mktemp("traces"))]
-    with running_server(args, tmp_path_factory.mktemp("server") / "server.log") as url:
+    with running_server(args, server_log) as url:
         yield url
+
+
+def test_the_banner_says_ready_then_all_programs_compiled(server, server_log):
+    """4 token buckets, the same 4 kept-row buckets and one sampler (8 requests), all compiled before ready."""
+    deadline = time.monotonic() + 30
+    while "all programs compiled" not in server_log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    text = server_log.read_text()
+    compiled = re.search(r"all programs compiled [\d.]+s after launch \((\d+) step programs\)", text)
+    assert compiled and int(compiled.group(1)) == 9 and text.index("ready in") < compiled.start()
+    assert "token buckets [8, 16, 32, 64], kept-row buckets [8, 16, 32, 64]" in text
 
 
 @pytest.fixture(scope="module")
