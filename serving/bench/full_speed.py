@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def waves(args, url: str, model: str, launched: float, until: float | None, count: int | None, who: str) -> list:
     """Waves run back to back from now: until `until` seconds after `launched`, or `count` of them. Each:
-    {"start_s", "end_s" (after launch), "output_tok_s", "median_ttft_ms", "median_tpot_ms", "failed"}."""
+    {"start_s", "end_s" (after launch), "output_tok_s", "median_ttft_ms", "median_tpot_ms", "output_tokens",
+    "failed"}."""
     out, n = [], 0
     while (until is None or time.perf_counter() - launched < until) and (count is None or n < count):
         wave = argparse.Namespace(concurrency=args.concurrency, num_prompts=args.num_prompts, num_warmups=0,
@@ -59,7 +60,8 @@ def waves(args, url: str, model: str, launched: float, until: float | None, coun
         s = side_by_side.run_client(url, model, wave, args.token_ids, args.log_dir / f"{who}-wave{n}.json")["summary"]
         out.append({"start_s": round(start, 2), "end_s": round(time.perf_counter() - launched, 2),
                     "output_tok_s": s["output_throughput"], "median_ttft_ms": s["median_ttft_ms"],
-                    "median_tpot_ms": s["median_tpot_ms"], "failed": s.get("failed", 0)})
+                    "median_tpot_ms": s["median_tpot_ms"], "output_tokens": s["total_output_tokens"],
+                    "failed": s.get("failed", 0)})
         print(f"  {who} wave {n}: {out[-1]}", flush=True)
         n += 1
     return out
@@ -103,10 +105,17 @@ def vllm(args) -> dict:
     return {"ready_s": round(ready, 2), "waves": run}
 
 
+SERVED_BY_S = (60, 120, 180, 240, 300)
+
+
 def summarize(run: dict, warm_median: float) -> dict:
+    """The run with its full-speed time, its median wave after the first, and the output tokens its finished waves
+    had served by each of SERVED_BY_S seconds after launch (what an earlier ready buys against an earlier full
+    speed)."""
     tail = [w["output_tok_s"] for w in run["waves"][1:]] or [0.0]
+    served = {t: sum(w["output_tokens"] for w in run["waves"] if w["end_s"] <= t) for t in SERVED_BY_S}
     return {**run, "full_speed_at_s": full_speed_at(run["waves"], warm_median),
-            "median_output_tok_s_after_first": statistics.median(tail)}
+            "median_output_tok_s_after_first": statistics.median(tail), "output_tokens_served_by_s": served}
 
 
 def main(argv=None) -> int:
@@ -142,6 +151,8 @@ def format_table(result: dict) -> str:
                      f"{r['median_output_tok_s_after_first']:>13.1f}  {shown}")
         if r.get("all_compiled"):
             lines.append(f"{'':<10} {r['all_compiled']}")
+        lines.append(f"{'':<10} output tokens served by " + ", ".join(
+            f"{t} s: {n}" for t, n in r["output_tokens_served_by_s"].items()))
     return "\n".join(lines)
 
 
