@@ -253,6 +253,10 @@ def build_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len:
         msg, param = _validation_message(exc)
         return error_for(request.url.path, 400, msg, param)
 
+    @app.exception_handler(NotFound)
+    async def _not_found(request: Request, exc: NotFound):  # a stored response that is not (or no longer) kept
+        return error_for(request.url.path, 404, str(exc), exc.param)
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         return error_for(request.url.path, exc.status_code, str(exc.detail))
@@ -313,8 +317,6 @@ def build_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len:
             result = await handler(body, ctx, session)
         except ValueError as e:
             return fail(400, str(e))
-        except NotFound as e:
-            return fail(404, str(e), e.param)
         except QueueFull as e:
             return fail(503, f"{e}; retry later")
         except EngineDead as e:
@@ -337,17 +339,11 @@ def build_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len:
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str):
-        try:
-            return stored_response(ctx, response_id)
-        except NotFound as e:
-            return error(404, str(e), e.param)
+        return stored_response(ctx, response_id)
 
     @app.delete("/v1/responses/{response_id}")
     async def remove_response(response_id: str):
-        try:
-            return delete_response(ctx, response_id)
-        except NotFound as e:
-            return error(404, str(e), e.param)
+        return delete_response(ctx, response_id)
 
     @app.post("/v1/messages")
     async def messages(request: Request, body: MessagesRequest):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -24,6 +23,7 @@ import time
 from pathlib import Path
 
 from serving.bench import side_by_side
+from serving.bench.peers import vllm_server
 from serving.bench.server_process import free_port, server_process
 
 IN_A_ROW, FRACTION = 5, 0.75
@@ -93,11 +93,7 @@ def ours(args, cache_dir: str, *, until: float | None, count: int | None, who: s
 
 def vllm(args) -> dict:
     port = free_port()
-    env = {**os.environ, "TRITON_INTERPRET": "1", "VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_CPU_KVCACHE_SPACE": "4",
-           "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
-           "--served-model-name", "bench-model", "--host", "127.0.0.1", "--port", str(port),
-           "--max-model-len", "4096", "--dtype", "bfloat16"]
+    cmd, env = vllm_server(args.vllm_python, args.model, port)
     t0 = time.perf_counter()
     with server_process(cmd, port, args.log_dir / "vllm.log", args.startup_timeout, env) as url:
         ready = time.perf_counter() - t0

@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--hf-threads", type=int, default=os.cpu_count())
     p.add_argument("--server-arg", action="append", default=[],
-                   help="a flag of our server beyond its defaults (repeatable), e.g. --server-arg=--no-background-compile")
+                   help="a flag of our server beyond its defaults (repeatable), e.g. "
+                        "--server-arg=--no-background-compile")
     p.add_argument("--startup-timeout", type=float, default=1800.0)
     p.add_argument("--log-dir", type=Path, default=Path("bench-logs/peers"))
     p.add_argument("--output-json", default=None)
@@ -82,13 +83,20 @@ def run_ours(args, conc: list[int], token_ids: str) -> dict:
         return _measure_server(args, "ours", cmd, port, conc, token_ids)
 
 
-def run_vllm(args, conc: list[int], token_ids: str) -> dict:
-    port = free_port()
+def vllm_server(python: str, model: str, port: int) -> tuple[list[str], dict]:
+    """(command, environment) of vLLM CPU serving `model` as `bench-model` on `port`, as ../shared/peer's
+    start_vllm.sh starts it (both cores to its worker)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_CPU_KVCACHE_SPACE": "4",
            "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.model),
-           "--served-model-name", "bench-model", "--host", "127.0.0.1", "--port", str(port),
-           "--max-model-len", str(VLLM_MAX_MODEL_LEN), "--dtype", "bfloat16"]
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", "bench-model",
+           "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(VLLM_MAX_MODEL_LEN),
+           "--dtype", "bfloat16"]
+    return cmd, env
+
+
+def run_vllm(args, conc: list[int], token_ids: str) -> dict:
+    port = free_port()
+    cmd, env = vllm_server(args.vllm_python, str(args.model), port)
     return _measure_server(args, "vllm", cmd, port, conc, token_ids, env)
 
 
