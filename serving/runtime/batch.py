@@ -104,7 +104,10 @@ class Buckets:
         raise ValueError(f"{n} tokens exceed the largest token bucket {self.tokens[-1]}")
 
     def kept_bucket(self, n: int) -> int:
-        return next(b for b in self.kept if b >= n)  # kept rows never exceed the step's tokens
+        for b in self.kept:
+            if b >= n:
+                return b
+        raise ValueError(f"{n} kept rows exceed the largest kept-row bucket {self.kept[-1]}")
 
     def requests(self, kept_rows: int) -> int:
         """The most requests a step with `kept_rows` kept rows holds: each has a kept row (its last) of its own, so

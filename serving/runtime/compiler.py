@@ -106,7 +106,6 @@ class StepCompiler:
             cache=self.cache_spec, carry=self.carry_spec)
         self._exe: dict[BucketKey, jax.stages.Compiled] = {}  # filled by precompile (and its background thread)
         self._background: threading.Thread | None = None
-        self.compile_seconds = 0.0
         self.all_compiled_at: float | None = None  # time.perf_counter() when the last bucket was ready
 
     # ------------------------------------------------------------------ parameters
@@ -226,10 +225,9 @@ class StepCompiler:
         if self.all_compiled_at is None and all(k in self._exe for k in self.bucket_keys()):
             self.all_compiled_at = time.perf_counter()
 
-    def _compile(self, key: BucketKey, kernels: KernelConfig | None = None) -> None:
-        t = time.perf_counter()
+    def _compile(self, key: BucketKey, kernels: KernelConfig) -> None:
+        """One bucket's executable, traced with `kernels` (`kernels_for`), loaded or compiled and kept."""
         specs = self.example_args(key)
-        kernels = kernels or self.kernels_for(key)
         name = (key, kernels) if self.programs.takes_graph(key) else key  # a program is the kernels it was traced for
         exe = self.exe_cache.load(name, specs, self.devices) if self.exe_cache else None
         if exe is None:
@@ -237,7 +235,6 @@ class StepCompiler:
             if self.exe_cache:
                 self.exe_cache.save(name, specs, exe)
         self._exe[key] = exe
-        self.compile_seconds += time.perf_counter() - t
 
     def lower(self, key: BucketKey, kernels: KernelConfig | None = None, **lowering) -> jax.stages.Lowered:
         """A bucket's program traced and lowered for its example arguments, with `kernels` (default: the bucket's,

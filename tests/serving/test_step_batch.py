@@ -189,5 +189,7 @@ def test_the_token_ladder_keeps_the_buckets_padding_would_cost():
 def test_kept_rows_have_their_own_buckets_ending_at_the_largest_token_bucket():
     b = Buckets((8, 64), max_num_seqs=4, tile=TILE, kept=(8, 32, 64))
     assert (b.token_bucket(20), b.kept_bucket(20)) == (64, 32) and Buckets((8, 64), 4, TILE).kept == (8, 64)
+    with pytest.raises(ValueError, match="65 kept rows exceed the largest kept-row bucket 64"):
+        b.kept_bucket(65)
     with pytest.raises(ValueError, match="must end at the largest token bucket 64"):
         Buckets((8, 64), max_num_seqs=4, tile=TILE, kept=(8, 32))
