@@ -10,7 +10,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -59,7 +62,13 @@ def main(argv: list[str] | None = None) -> None:
     _say("loading ...")
     if srv.keep_host_memory and (why := keep_freed_memory()):  # before anything starts JAX's backends
         _say(f"host memory: freed memory is returned to the OS ({why})")
-    ea.parallel.use_cpu_devices()  # before anything starts JAX's backends
+    from serving.engine import multiprocess  # imports no backend
+
+    pc = ea.parallel
+    pc.use_cpu_devices()  # before anything starts JAX's backends
+    if pc.nnodes > 1:
+        multiprocess.join(pc)  # also before the backends
+        _say(f"process {pc.node_rank} of {pc.nnodes} (coordinator {pc.dist_init_addr})")
     import uvicorn
 
     from serving.api.response_store import ResponseStore
@@ -70,17 +79,27 @@ def main(argv: list[str] | None = None) -> None:
     from serving.runtime.exe_cache import ExecutableCacheSettings
 
     # the server keeps its step programs in the executable cache (a restart skips tracing as well as compiling)
-    exe_cache = (ExecutableCacheSettings(Path(srv.compilation_cache_dir) / "executables",
-                                         srv.compilation_cache_max_bytes) if srv.compilation_cache_dir else None)
+    cache_dir, background = srv.compilation_cache_dir, srv.background_compile
+    if pc.nnodes > 1 and background:  # see serving.engine.multiprocess
+        _say("every step program compiles before ready: every process must hold the buckets process 0 picks")
+        background = False
+    exe_cache = (ExecutableCacheSettings(Path(cache_dir) / "executables", srv.compilation_cache_max_bytes)
+                 if cache_dir else None)
+    leader = pc.node_rank == 0
     try:
         src = load_model(args.model, ea.runtime.seed, ea.parallel, progress=True)
         _say(f"model: {src.description}")
         _say(f"loaded in {time.perf_counter() - t0:.1f}s; precompiling the step buckets "
-             f"(cached in {srv.compilation_cache_dir or 'memory only'}) ...")
+             f"(cached in {cache_dir or 'memory only'}) ...")
+        channel = multiprocess.StepChannel() if pc.nnodes > 1 and leader else None
         engine = Engine(src.model, src.tokenizer, ea, model_name=src.name, progress=True,
-                        background_compile=srv.background_compile, executable_cache=exe_cache)
+                        background_compile=background, executable_cache=exe_cache, step_channel=channel)
     except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")
+    if pc.nnodes > 1:
+        multiprocess.wait_for_every_rank("compiled")
+        if not leader:
+            _follow(engine, pc, t0)  # does not return
     if ea.parallel.world_size > 1:
         _say(f"parallel layout: {ea.parallel.describe()}")
     kv = engine.runner.kv_report()
@@ -108,8 +127,11 @@ def main(argv: list[str] | None = None) -> None:
                             access_log=not srv.disable_access_log, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
 
+    watch = _watch_processes(pc, aengine) if pc.nnodes > 1 else None
     async def serve():
         aengine.start(asyncio.get_running_loop())
+        if watch is not None:
+            watch.start()
         ready = asyncio.create_task(_announce(server, f"http://{srv.host}:{srv.port}", src.name, t0, compiler))
         try:
             await server.serve()
@@ -120,6 +142,39 @@ def main(argv: list[str] | None = None) -> None:
                 _say(f"trace written to {app.state.profiler.stop().folder}")
 
     asyncio.run(serve())
+    if pc.nnodes > 1:  # a clean stop: every other process exits too
+        watch.stop()
+        channel.publish(multiprocess.Stop("process 0 stopped"))
+        multiprocess.shutdown()
+
+
+def _follow(engine, pc, t0: float) -> None:
+    """A process other than 0 of a server on several processes: run process 0's steps, then exit."""
+    from serving.engine import multiprocess
+
+    _say(f"process {pc.node_rank}: compiled in {time.perf_counter() - t0:.1f}s; running process 0's steps")
+    code = multiprocess.follow(engine.runner, multiprocess.StepChannel(), pc.node_rank)
+    if code == 0:
+        multiprocess.shutdown()
+    _say(f"process {pc.node_rank}: exiting with status {code}")
+    os._exit(code)  # the runtime's threads (collectives, coordination) do not hold the exit
+
+
+def _watch_processes(pc, aengine):
+    """Process 0: the watch over the other processes (not started). A dead one fails the engine - 503 to new and
+    waiting requests, an error event to open streams, /health names it - and this process exits 1 soon after."""
+    from serving.engine import multiprocess
+
+    def dead(err: BaseException) -> None:
+        aengine.fail(err)
+        _say(f"{err}; exiting with status 1 in {multiprocess.EXIT_GRACE_S:.0f} s")
+        threading.Timer(multiprocess.EXIT_GRACE_S, os._exit, args=(1,)).start()
+
+    # uvicorn re-raises a stop signal once it has shut down: caught here instead, the other processes are told to
+    # stop after `serve` returns and this one exits 0
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: None)
+    return multiprocess.ProcessWatch(pc.nnodes, pc.dead_rank_timeout, dead)
 
 
 def _chat_defaults(srv: ServerArgs, src) -> tuple[ChatTemplateKwargs, str]:

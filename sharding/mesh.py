@@ -50,7 +50,17 @@ class ParallelConfig:
         "aliases": ("-ep",), "help": "expert-parallel ranks (needs --enable-expert-parallel; default: dp x tp)"})
     num_cpu_devices: int | None = field(default=None, metadata={
         "help": "on the CPU backend: split the host into this many devices (parallel layouts without "
-                "accelerators)"})
+                "accelerators); with --nnodes, this process's"})
+    # Several processes (hosts) on JAX's distributed runtime; SGLang's flag names (serving.engine.multiprocess).
+    nnodes: int = field(default=1, metadata={
+        "help": "processes (one per host) the layout spans; every process runs this command with its own "
+                "--node-rank, rank 0 serves HTTP"})
+    node_rank: int = field(default=0, metadata={"help": "this process's rank among --nnodes (0 serves HTTP)"})
+    dist_init_addr: str | None = field(default=None, metadata={
+        "help": "host:port of rank 0's coordinator (JAX's distributed runtime), the same on every process"})
+    dead_rank_timeout: int = field(default=3, metadata={
+        "help": "seconds without a heartbeat after which rank 0 declares a rank dead: it answers 503 and exits "
+                "non-zero"})
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "data_parallel_size"):
@@ -66,6 +76,19 @@ class ParallelConfig:
                 raise ParallelConfigError(f"expert_parallel_size {ep} must divide the world size "
                                           f"{self.world_size} (= data_parallel_size x tensor_parallel_size)")
         self.factors()  # the mesh must exist
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ParallelConfigError(f"node_rank {self.node_rank} must lie in [0, nnodes {self.nnodes})")
+        if self.nnodes > 1:
+            host, _, port = (self.dist_init_addr or "").rpartition(":")
+            if not host or not port.isdigit():
+                raise ParallelConfigError(f"nnodes {self.nnodes} needs dist_init_addr as host:port, got "
+                                          f"{self.dist_init_addr!r}")
+            if self.world_size % self.nnodes:
+                raise ParallelConfigError(f"nnodes {self.nnodes} must divide the world size {self.world_size} "
+                                          f"(= data_parallel_size x tensor_parallel_size): each process holds "
+                                          f"world / nnodes devices")
+        if self.dead_rank_timeout < 1:
+            raise ParallelConfigError(f"dead_rank_timeout must be >= 1 s, got {self.dead_rank_timeout}")
 
     @property
     def world_size(self) -> int:
@@ -115,8 +138,9 @@ class ParallelConfig:
                                       f"must divide moe_intermediate_size {c.moe_intermediate_size}")
 
     def describe(self) -> str:
+        procs = f" over {self.nnodes} processes" if self.nnodes > 1 else ""
         return (f"{self.layout}: dp={self.data_parallel_size} tp={self.tensor_parallel_size} ep={self.ep} "
-                f"moe_tp={self.moe_tp} mesh={self.factors()}")
+                f"moe_tp={self.moe_tp} mesh={self.factors()}{procs}")
 
     def use_cpu_devices(self) -> None:
         """Split the host CPU into `num_cpu_devices` devices (if set); call before anything starts JAX's

@@ -151,8 +151,14 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 def place(tree, shardings):
     """device_put a pytree onto its shardings (works across processes: every process passes the full
-    host value and keeps its addressable shards)."""
+    host value and keeps its addressable shards; an array already global, e.g. a checkpoint tensor placed as it
+    was read, moves between shardings on the devices)."""
     if jax.process_count() == 1:
         return jax.device_put(tree, shardings)  # one batched transfer
-    return jax.tree.map(lambda a, s: jax.make_array_from_callback(np.shape(a), s, lambda idx: np.asarray(a)[idx]),
-                        tree, shardings)
+
+    def put(a, s):
+        if isinstance(a, jax.Array) and not a.is_fully_addressable:
+            return a if a.sharding == s else jax.device_put(a, s)
+        return jax.make_array_from_callback(np.shape(a), s, lambda idx: np.asarray(a)[idx])
+
+    return jax.tree.map(put, tree, shardings)

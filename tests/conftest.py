@@ -58,6 +58,9 @@ def pytest_addoption(parser):
                      help="a Python with torch 2.13 + transformers 5.24: run the HF oracle live")
     parser.addoption("--kernel-seed", type=int, default=None,
                      help="seed of the kernel tests' random inputs (default 0; failures name the seed they ran)")
+    parser.addoption("--server-processes", type=int, default=1,
+                     help="the agent-client tests' server as this many processes (serving.launch, tensor parallel "
+                          "over one CPU device each) instead of one")
     parser.addoption("--full-size-lowering", action="store_true",
                      help="also lower v41-flash's serving steps on an abstract mesh and compile tiny's on a CPU "
                           "device (minutes; nothing allocated)")

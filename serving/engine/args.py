@@ -46,6 +46,7 @@ class EngineArgs:
         if self.eplb.enable_eplb and not self.parallel.enable_expert_parallel:
             raise ValueError("enable_eplb needs enable_expert_parallel (experts split over the ranks)")
 
+
     @classmethod
     def sections(cls) -> dict[str, tuple[type, str]]:
         """name -> (section class, title), in flag order."""

@@ -119,8 +119,7 @@ class AsyncEngine:
                 outs = eng.step()
             except Exception as e:  # a bug, not bad input: fail everything in flight and report unhealthy
                 log.exception("engine step failed")
-                self.error = e
-                self._fail_all(f"internal engine error: {e!r}")
+                self.fail(e)
                 return
             if outs:
                 self._loop.call_soon_threadsafe(self._deliver, outs)
@@ -148,13 +147,21 @@ class AsyncEngine:
                     if self.engine.abort(cmd.request_id) is not None:
                         log.info("aborted %s", cmd.request_id)
 
+    def fail(self, error: BaseException) -> None:
+        """From any thread: the engine is dead (a rank of a multi-process server died, or a step raised). Every
+        open stream ends with an error, queued and new requests are refused (EngineDead: 503), and the engine
+        thread stops at its next turn (it may stay blocked on the devices)."""
+        first, self.error, self._stopping = self.error is None, error, True  # /health shows the latest cause
+        self._wake.set()
+        if first:
+            self._loop.call_soon_threadsafe(self._fail_all, f"the engine stopped: {error!r}")
+
     def _fail_all(self, message: str) -> None:
-        """Every stream gets an error output; requests not yet accepted get EngineDead."""
-        outs = [RequestOutput(rid, [], "", True, "abort", error=message) for rid in list(self._streams)]
-        self._loop.call_soon_threadsafe(self._deliver, outs)
+        """On the event loop: every stream gets an error output; requests not yet accepted get EngineDead."""
+        self._deliver([RequestOutput(rid, [], "", True, "abort", error=message) for rid in list(self._streams)])
         for cmd in self._queued():
             if isinstance(cmd, AddRequest):
-                self._loop.call_soon_threadsafe(_set_exception, cmd.accepted, EngineDead(message))
+                _set_exception(cmd.accepted, EngineDead(message))
 
 
 class RequestStream:

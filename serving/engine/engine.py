@@ -39,6 +39,7 @@ from serving.engine.args import EngineArgs
 from serving.engine.dp_scheduler import DataParallelScheduler
 from serving.engine.eplb import EngineEplb
 from serving.engine.metrics import EngineMetrics
+from serving.engine.multiprocess import Execute, Rebalance, StepChannel
 from serving.engine.output import OutputState
 from serving.engine.request import Finish, Request, RequestOutput, TokenLogprob
 from serving.engine.scheduler import Scheduled
@@ -65,12 +66,14 @@ class _InFlight(NamedTuple):
 class Engine:
     def __init__(self, model: dsv41.Model, tokenizer=None, args: EngineArgs = EngineArgs(), *,
                  model_name: str = "dsv41", progress: bool = True, background_compile: bool = False,
-                 executable_cache: ExecutableCacheSettings | None = None):
+                 executable_cache: ExecutableCacheSettings | None = None, step_channel: StepChannel | None = None):
         """With `args.parallel` over more than one device the engine shards the model on that mesh
         (`sharding.model.ShardedModel`; the runner runs its segments per data-parallel rank in a `shard_map`): each
         rank has its own slots, blocks and batch, requests go to ranks by `dp_routing_policy`, and `args.eplb` may
         balance the experts. `background_compile`: `StepCompiler.precompile(background=True)` (the server's default).
-        `executable_cache`: where the runner keeps its compiled programs."""
+        `executable_cache`: where the runner keeps its compiled programs. `step_channel`: rank 0 of a server on
+        several processes publishes each step's host inputs there for the other ranks
+        (`serving.engine.multiprocess`)."""
         placement = None
         if args.parallel.world_size > 1:
             model = ShardedModel(model, args.parallel)
@@ -97,6 +100,9 @@ class Engine:
         self.eos_id = getattr(tokenizer, "eos_id", model.config.eos_token_id)
         self._preemptions_seen = 0
         self._inflight: _InFlight | None = None  # the step dispatched while the previous one's text was made
+        self.step_channel = step_channel
+        if step_channel is not None:
+            self.metrics.add_multiprocess()
         self._async_blocker = async_blocker(args, self.runner, self.eplb is not None)
         self.async_scheduling = self._async_blocker is None
         self._update_gauges()
@@ -200,9 +206,12 @@ class Engine:
             return None
         self._note_admissions(sched)
         rows = {} if prev is None else {id(s.request): int(r) for s, r in zip(prev.sched, prev.launched.segments.rows)}
-        launched = self.runner.launch([self._chunk(s, rows) for s in sched], [s.request.params for s in sched],
-                                      [self._banned(s.request) for s in sched],
-                                      prev=None if prev is None else prev.launched)
+        chunks, before = [self._chunk(s, rows) for s in sched], None if prev is None else prev.launched
+        host = self.runner.plan(chunks, [s.request.params for s in sched], [self._banned(s.request) for s in sched],
+                                prev=before)
+        if self.step_channel is not None:  # the other processes' ranks run the same step
+            self.metrics.step_broadcast(*self.step_channel.publish(Execute(host, reads_prev=before is not None)))
+        launched = self.runner.execute(host, before, chunks)
         return _InFlight(sched, launched, self.scheduler.launched(sched) if self.async_scheduling else None)
 
     def _collect(self, step: _InFlight) -> tuple[StepOutput | SpeculativeStepOutput, list[int], list[Finish | None],
@@ -213,8 +222,10 @@ class Engine:
         previous step; or aborted) is skipped: its row is dropped. Returns the step's outputs, each request's token
         count before the step and its finish."""
         out = self.runner.collect(step.launched)
-        if self.eplb is not None:  # a rearrangement migrates the weights here, between two steps
-            self.eplb.after_step(out.expert_counts, self.runner)
+        if self.eplb is not None and (placement := self.eplb.after_step(out.expert_counts)) is not None:
+            if self.step_channel is not None:  # the other processes migrate theirs at the same place
+                self.step_channel.publish(Rebalance(placement))
+            self.eplb.apply(placement, self.runner)  # the weights migrate here, between two steps
         now = time.monotonic()
         before, finishes = [], []
         for i, s in enumerate(step.sched):

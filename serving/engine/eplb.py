@@ -41,18 +41,21 @@ class EngineEplb:
         model.apply_placement(self.state.placement)
         metrics.add_eplb(c.num_hidden_layers)
 
-    def after_step(self, counts_LE: np.ndarray, runner) -> bool:
-        """Record one step's [L, E] counts; on a rearrangement step migrate the weights. True if it did."""
+    def after_step(self, counts_LE: np.ndarray):
+        """Record one step's [L, E] counts; on a rearrangement step the new placement (else None), for `apply`."""
         self.state.record(counts_LE)
         placement = self.state.step()
-        if placement is not None:
-            self.model.apply_placement(placement)
-            runner.reload_params()
-            self.metrics.eplb_rebalances.inc()
-            log.info("EPLB rearrangement %d at step %d: balancedness %.3f -> %.3f", self.state.rearrangements,
-                     self.state.steps, self.state.last_balancedness_before, self.state.last_balancedness_after)
         self._export()
-        return placement is not None
+        return placement
+
+    def apply(self, placement, runner) -> None:
+        """Migrate the weights to `placement` between two steps (every process of a server on several processes
+        does, in the same place among the steps)."""
+        self.model.apply_placement(placement)
+        runner.reload_params()
+        self.metrics.eplb_rebalances.inc()
+        log.info("EPLB rearrangement %d at step %d: balancedness %.3f -> %.3f", self.state.rearrangements,
+                 self.state.steps, self.state.last_balancedness_before, self.state.last_balancedness_after)
 
     def _export(self) -> None:
         load = self.state.window_load()

@@ -72,6 +72,19 @@ class EngineMetrics:
                           "draft (0: the first).", labelnames=["model_name", "position"], registry=self.registry)
         self.spec_accepted_per_pos = [per_pos.labels(self._m, str(i)) for i in range(k)]
 
+    def add_multiprocess(self) -> None:
+        """Rank 0 of a server on several processes: the steps it publishes to the other ranks."""
+        self.step_broadcasts = self._c("dsv41:step_broadcasts", "Steps published to the other processes.")
+        self.step_broadcast_bytes = self._c("dsv41:step_broadcast_bytes", "Bytes of the steps published (pickled "
+                                            "host inputs).")
+        self.step_broadcast_seconds = self._c("dsv41:step_broadcast_seconds", "Rank 0's time publishing steps "
+                                              "(pickling and the key-value store's round trip).")
+
+    def step_broadcast(self, nbytes: int, seconds: float) -> None:
+        self.step_broadcasts.inc()
+        self.step_broadcast_bytes.inc(nbytes)
+        self.step_broadcast_seconds.inc(seconds)
+
     def finished(self, reason: str) -> None:
         self._success.labels(self._m, reason).inc()
 

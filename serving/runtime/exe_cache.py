@@ -17,8 +17,9 @@ A runner keeps its programs here when it is given `ExecutableCacheSettings` (the
 came out of JAX's cache serializes without its code (it loads, then fails with "Function ... not found"), so the two
 are not mixed in one process. A mesh runner's programs carry
 their shardings and load onto the mesh's devices in its order (the mesh's shape and device ids are in the key);
-a mesh server's warm start skips tracing like a one-device one (docs/benchmarks/startup.md). Processes of a
-multi-host run (`serving.launch`) keep JAX's cache.
+a mesh server's warm start skips tracing like a one-device one (docs/benchmarks/startup.md). Each process of a
+server on several processes (`serving.engine.multiprocess`) keeps its own programs (the process index is in the
+key: a program binds its process's devices), so the processes of one machine can share a folder.
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ def _environment() -> str:
     options = [(name, getattr(jax.config, name, None)) for name in _JAX_OPTIONS]
     h.update(repr((sys.version, jax.__version__, jaxlib.__version__, flax.__version__, numpy.__version__,
                    jax.default_backend(),
-                   devices, jax.process_count(), os.environ.get("XLA_FLAGS", ""), options)).encode())
+                   devices, jax.process_count(), jax.process_index(), os.environ.get("XLA_FLAGS", ""),
+                   options)).encode())
     return h.hexdigest()
 
 

@@ -1,4 +1,5 @@
-"""What a step hands back, typed: the handle of a launched step (its device outputs, not read yet) and the host
+"""What a step takes from the host and hands back, typed: the planned host inputs of a step (`HostStep`, what the engine
+on several processes sends to the other ranks), the handle of a launched step (its device outputs, not read yet) and the host
 outputs `Runner.collect` reads from it. A plain step emits one token per request (`StepOutput`); a speculative one
 emits 1 .. 1 + k (`SpeculativeStepOutput`). Both answer `emitted(i)` and `emitted_logprobs(i)` with one row per
 emitted token, so the engine reads either the same way.
@@ -13,9 +14,32 @@ import jax
 import numpy as np
 
 from serving.runtime.batch import SeqChunk
-from serving.runtime.sampler import Sampled
-from serving.runtime.spec_step import SpecOutput
+from serving.runtime.builder import BuiltStep
+from serving.runtime.sampler import Sampled, SamplingArrays
+from serving.runtime.spec_step import SpecInputs, SpecOutput
 from serving.runtime.step import KeptRows
+
+
+class SampleInputs(NamedTuple):
+    """A plain step's sampler inputs: per logits row [ranks x max_num_seqs], and the sampler bucket it runs at."""
+
+    params: SamplingArrays
+    rows: int
+
+
+class SpecHostInputs(NamedTuple):
+    """A speculative step's finish inputs: the requests' rows [R] and their sampling parameters [R]."""
+
+    spec: SpecInputs
+    params: SamplingArrays
+
+
+class HostStep(NamedTuple):
+    """Everything a step's programs take from the host (numpy only, so it pickles): the packed batch and the
+    finish's inputs. `Runner.plan` makes it, `Runner.execute` dispatches it on the devices."""
+
+    built: BuiltStep
+    finish: SampleInputs | SpecHostInputs
 
 
 class SegmentsOnDevice(NamedTuple):

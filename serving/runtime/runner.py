@@ -34,13 +34,13 @@ from serving.runtime.config import RuntimeConfig
 from serving.runtime.encoder_replay import replay_length
 from serving.runtime.exe_cache import ExecutableCacheSettings
 from serving.runtime.kv_cache import KVCache
-from serving.runtime.outputs import (LaunchedStep, PromptLogprobs, SegmentsOnDevice, SpeculativeStepOutput,
-                                     StepOutput)
+from serving.runtime.outputs import (HostStep, LaunchedStep, PromptLogprobs, SampleInputs, SegmentsOnDevice,
+                                     SpecHostInputs, SpeculativeStepOutput, StepOutput)
 from serving.runtime.programs import Program
 from serving.runtime.rollback import CacheSites
 from serving.runtime.sampler import Sampled, sampling_arrays
 from serving.runtime.sampling_params import SamplingParams
-from serving.runtime.spec_step import SpecInputs, SpecOutput
+from serving.runtime.spec_step import SpecOutput
 from serving.runtime.step import PackedBatch
 
 
@@ -133,16 +133,26 @@ class Runner:
         work while the device runs (the engine produces the previous step's text then). `collect` waits.
         `prev`: the step launched before this one, not collected yet, whose sampled tokens the chunks with a
         `pending_row` read (async scheduling, `supports_async`)."""
+        return self.execute(self.plan(chunks, params, banned, prev), prev, chunks)
+
+    def plan(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams | None],
+             banned: Sequence[Sequence[int]] | None = None, prev: LaunchedStep | None = None) -> HostStep:
+        """Everything the step's programs take from the host (no device work): what the engine on several
+        processes sends to the other ranks, each of which `execute`s it on its devices."""
         if any(ch.pending_row >= 0 for ch in chunks) and (prev is None or not self.supports_async):
             raise ValueError("chunks with a pending token need the previous launched step (async scheduling: no "
                              "speculative decoding, no Engram tables in host memory)")
         self._finish.check(chunks)
         with jax.profiler.TraceAnnotation("runner.build"):
             built = self._build(chunks)
-            inputs = self._finish.inputs(chunks, built)
-        before = self._finish.before_segments(inputs)
-        seg = self._segments(built, prev)
-        return LaunchedStep(list(chunks), seg, self._finish.after_segments(chunks, seg, params, banned, inputs, before))
+            return HostStep(built, self._finish.inputs(chunks, built, params, banned))
+
+    def execute(self, host: HostStep, prev: LaunchedStep | None = None, chunks: Sequence[SeqChunk] = ()
+                ) -> LaunchedStep:
+        """Dispatch a planned step's programs (returns at once). `chunks`: the step's, for `collect`."""
+        before = self._finish.before_segments(host.finish)
+        seg = self._segments(host.built, prev)
+        return LaunchedStep(list(chunks), seg, self._finish.after_segments(seg, host.finish, before))
 
     def collect(self, launched: LaunchedStep) -> StepOutput | SpeculativeStepOutput:
         """Wait for a launched step's device work and read its outputs (one device->host copy)."""
@@ -228,26 +238,26 @@ class _SampleFinish:
     def check(self, chunks: Sequence[SeqChunk]) -> None:
         pass
 
-    def inputs(self, chunks: Sequence[SeqChunk], built: BuiltStep) -> None:
-        return None
-
-    def before_segments(self, inputs: None) -> None:
-        return None
-
-    def after_segments(self, chunks: Sequence[SeqChunk], seg: SegmentsOnDevice,
-                       params: Sequence[SamplingParams | None], banned: Sequence[Sequence[int]] | None,
-                       inputs: None, before: None) -> Sampled:
+    def inputs(self, chunks: Sequence[SeqChunk], built: BuiltStep, params: Sequence[SamplingParams | None],
+               banned: Sequence[Sequence[int]] | None) -> SampleInputs:
         r = self.r
         n_rows = r.ranks * r.rc.max_num_seqs  # chunk i samples from logits row rows[i]
         row_params, row_pos, row_banned = [None] * n_rows, [0] * n_rows, [[] for _ in range(n_rows)]
-        for i, row in enumerate(seg.rows):
+        for i, row in enumerate(built.rows):
             row_params[row], row_pos[row] = params[i], chunks[i].end
             if banned is not None:
                 row_banned[row] = list(banned[i])
         p = sampling_arrays(row_params, row_pos, n_rows, r.rc.seed, banned=row_banned)
+        K = built.batch.kept.row_K.shape[1]
+        return SampleInputs(p, r.compiler.fit(Program.SAMPLE, r.buckets.requests(K), r.compiler.sample_rows))
+
+    def before_segments(self, inputs: SampleInputs) -> None:
+        return None
+
+    def after_segments(self, seg: SegmentsOnDevice, inputs: SampleInputs, before: None) -> Sampled:
+        r = self.r
         with jax.profiler.TraceAnnotation("runner.sample"):
-            n = r.compiler.fit(Program.SAMPLE, r.buckets.requests(seg.kept.row_K.shape[1]), r.compiler.sample_rows)
-            return r.compiler.executable(Program.SAMPLE.at(n))(seg.logits, r._put_replicated(p))
+            return r.compiler.executable(Program.SAMPLE.at(inputs.rows))(seg.logits, r._put_replicated(inputs.params))
 
     def collect(self, launched: LaunchedStep, sampled: Sampled, expert_counts: np.ndarray | None) -> StepOutput:
         chunks, seg = launched.chunks, launched.segments
@@ -277,30 +287,28 @@ class _SpeculativeFinish:
         if any(ch.prompt_logprobs for ch in chunks):
             raise ValueError("prompt logprobs are not served with speculative decoding")
 
-    def inputs(self, chunks: Sequence[SeqChunk], built: BuiltStep) -> SpecInputs:
-        compiler = self.r.compiler
-        R = compiler.fit(Program.SPEC_FINISH, len(chunks), compiler.spec_rows)  # the requests' rows bucket
-        return compiler.builder.spec_inputs(chunks, built.batch, R)
-
-    def before_segments(self, s: SpecInputs) -> CacheSites:
+    def inputs(self, chunks: Sequence[SeqChunk], built: BuiltStep, params: Sequence[SamplingParams | None],
+               banned: Sequence[Sequence[int]] | None) -> SpecHostInputs:
         r = self.r
-        with jax.profiler.TraceAnnotation("runner.snapshot"):
-            return r.compiler.executable(Program.SPEC_SNAPSHOT.at(len(s.slot_R)))(r.cache, s)
-
-    def after_segments(self, chunks: Sequence[SeqChunk], seg: SegmentsOnDevice,
-                       params: Sequence[SamplingParams | None], banned: Sequence[Sequence[int]] | None,
-                       s: SpecInputs, snap: CacheSites) -> SpecOutput:
-        r = self.r
-        R = len(s.slot_R)
+        R = r.compiler.fit(Program.SPEC_FINISH, len(chunks), r.compiler.spec_rows)  # the requests' rows bucket
         row_params, row_pos, row_banned = [None] * R, [0] * R, [[] for _ in range(R)]
         for i, ch in enumerate(chunks):
             row_params[i], row_pos[i] = params[i], ch.end
             if banned is not None:
                 row_banned[i] = list(banned[i])
-        p = sampling_arrays(row_params, row_pos, R, r.rc.seed, banned=row_banned)
+        return SpecHostInputs(r.compiler.builder.spec_inputs(chunks, built.batch, R),
+                              sampling_arrays(row_params, row_pos, R, r.rc.seed, banned=row_banned))
+
+    def before_segments(self, h: SpecHostInputs) -> CacheSites:
+        r = self.r
+        with jax.profiler.TraceAnnotation("runner.snapshot"):
+            return r.compiler.executable(Program.SPEC_SNAPSHOT.at(len(h.spec.slot_R)))(r.cache, h.spec)
+
+    def after_segments(self, seg: SegmentsOnDevice, h: SpecHostInputs, snap: CacheSites) -> SpecOutput:
+        r = self.r
         with jax.profiler.TraceAnnotation("runner.speculative"):
-            r.cache, r.q_buf, out = r.compiler.executable(Program.SPEC_FINISH.at(R))(
-                r.param_leaves, r.cache, r.carry_buf, snap, r.q_buf, seg.logits, s, p)
+            r.cache, r.q_buf, out = r.compiler.executable(Program.SPEC_FINISH.at(len(h.spec.slot_R)))(
+                r.param_leaves, r.cache, r.carry_buf, snap, r.q_buf, seg.logits, h.spec, h.params)
         return out
 
     def collect(self, launched: LaunchedStep, out: SpecOutput, expert_counts: np.ndarray | None

@@ -33,6 +33,7 @@ FULL = ["--model", "small", "--served-model-name", "m", "--dtype", "bfloat16", "
         "--scheduling-policy", "priority",
         "--no-enable-prefix-caching", "--no-async-scheduling", "--dp-routing-policy", "load", "--dp-max-inflight", "3",
         "-tp", "2", "-dp", "2", "--enable-expert-parallel", "-ep", "4", "--num-cpu-devices", "4",
+        "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "h:1", "--dead-rank-timeout", "5",
         "--enable-eplb", "--eplb-window-size", "10", "--eplb-step-interval", "20", "--eplb-num-redundant-experts", "8"]
 
 
@@ -56,7 +57,8 @@ def test_a_full_command_line_parses_into_the_sections_and_back():
         speculative_config='{"method": "dspark", "num_speculative_tokens": 2}',
         scheduling_policy="priority", enable_prefix_caching=False, async_scheduling=False, dp_routing_policy="load",
         dp_max_inflight=3, tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True,
-        expert_parallel_size=4, num_cpu_devices=4, enable_eplb=True, eplb_window_size=10, eplb_step_interval=20,
+        expert_parallel_size=4, num_cpu_devices=4, nnodes=2, node_rank=1, dist_init_addr="h:1", dead_rank_timeout=5,
+        enable_eplb=True, eplb_window_size=10, eplb_step_interval=20,
         eplb_num_redundant_experts=8)
     # every field differs from its default: the way back names all of them, and parses to the same values
     back = got.to_cli_args()

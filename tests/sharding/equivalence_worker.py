@@ -37,7 +37,7 @@ def run(*args: str) -> dict:
     from tests.conftest import HANG_TIMEOUT_S, xla_env
 
     # No persistent XLA cache for this worker: on jax 0.12 a mesh step loaded from it stalled in a CPU all-reduce
-    # (8 device threads expected at the rendezvous, 4 arrived; a 40 s abort), as serving.launch notes for processes.
+    # (8 device threads expected at the rendezvous, 4 arrived; a 40 s abort). The executable cache is not JAX's.
     proc = subprocess.run([sys.executable, "-m", "tests.sharding.equivalence_worker", *args], check=False,
                           cwd=Path(__file__).resolve().parents[2], env=xla_env(8), capture_output=True, text=True,
                           timeout=HANG_TIMEOUT_S)

@@ -48,6 +48,11 @@ def test_flags_round_trip():
     (dict(num_cpu_devices=0), "num_cpu_devices"),
     (dict(data_parallel_size=4, tensor_parallel_size=3, enable_expert_parallel=True, expert_parallel_size=6),
      "expert_parallel_size"),
+    (dict(tensor_parallel_size=4, nnodes=2, node_rank=2, dist_init_addr="h:1"), "node_rank"),
+    (dict(tensor_parallel_size=4, nnodes=2), "dist_init_addr"),
+    (dict(tensor_parallel_size=4, nnodes=2, dist_init_addr="host-without-port"), "dist_init_addr"),
+    (dict(tensor_parallel_size=3, nnodes=2, dist_init_addr="h:1"), "nnodes"),
+    (dict(dead_rank_timeout=0), "dead_rank_timeout"),
 ])
 def test_bad_sizes_name_the_field(kwargs, field):
     with pytest.raises(ParallelConfigError, match=field):

@@ -30,12 +30,13 @@ ANTHROPIC_TOOL = {"name": "get_weather", "description": "Weather of a city", "in
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, request):
+    """`--server-processes 2`: the same tests against one server over two processes (docs/testing.md)."""
     log = tmp_path_factory.mktemp("agent-server") / "server.log"
     # two buckets (a decode pads to 16): every program compiled before ready, few of them
     args = ["--api-key", KEY, "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--max-model-len", "2048",
             "--block-size", "16", "--token-buckets", "16,64", "--no-background-compile", "--disable-access-log"]
-    with running_server(args, log) as url:
+    with running_server(args, log, processes=request.config.getoption("--server-processes")) as url:
         yield url, log
 
 

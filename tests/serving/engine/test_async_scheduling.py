@@ -125,8 +125,8 @@ def test_the_next_step_is_dispatched_before_the_previous_is_collected(engine, mo
 
     prompt, p = _prompt(41, 20), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     events = []
-    launch, collect, update = engine.runner.launch, engine.runner.collect, OutputState.update
-    monkeypatch.setattr(engine.runner, "launch", lambda *a, **k: events.append("launch") or launch(*a, **k))
+    launch, collect, update = engine.runner.execute, engine.runner.collect, OutputState.update  # execute: dispatch
+    monkeypatch.setattr(engine.runner, "execute", lambda *a, **k: events.append("launch") or launch(*a, **k))
     monkeypatch.setattr(engine.runner, "collect", lambda step: events.append("collect") or collect(step))
     monkeypatch.setattr(OutputState, "update", lambda self, *a: events.append("text") or update(self, *a))
     _serve(engine, [("a", prompt, p)])

@@ -183,8 +183,8 @@ def test_the_next_step_is_dispatched_before_the_text_is_made(engine, monkeypatch
     monkeypatch.setattr(engine, "async_scheduling", False)  # the overlap of step-by-step scheduling
     (alone,), _ = _serve(engine, [prompt], p)
     events = []
-    launch, collect, update = engine.runner.launch, engine.runner.collect, OutputState.update
-    monkeypatch.setattr(engine.runner, "launch", lambda *a, **k: events.append("launch") or launch(*a, **k))
+    launch, collect, update = engine.runner.execute, engine.runner.collect, OutputState.update  # execute: dispatch
+    monkeypatch.setattr(engine.runner, "execute", lambda *a, **k: events.append("launch") or launch(*a, **k))
     monkeypatch.setattr(engine.runner, "collect", lambda step: events.append("collect") or collect(step))
     monkeypatch.setattr(OutputState, "update", lambda self, *a: events.append("text") or update(self, *a))
     (got,), _ = _serve(engine, [prompt], p)
@@ -254,9 +254,9 @@ def test_step_by_step_a_stop_string_ends_the_request_before_its_next_row(engine,
     prompt, p = _prompt(seed), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop=[stop])
     asyn = _run(engine, [("a", prompt, p)])["a"]
     monkeypatch.setattr(engine, "async_scheduling", False)
-    ends, launch = [], engine.runner.launch
-    monkeypatch.setattr(engine.runner, "launch", lambda chunks, *a, **k: ends.append(chunks[0].end) or
-                        launch(chunks, *a, **k))
+    ends, plan = [], engine.runner.plan
+    monkeypatch.setattr(engine.runner, "plan", lambda chunks, *a, **k: ends.append(chunks[0].end) or
+                        plan(chunks, *a, **k))
     sync = _run(engine, [("a", prompt, p)])["a"]
     assert [(o.new_token_ids, o.new_text, o.finish_reason, o.stop_reason) for o in sync] == \
         [(o.new_token_ids, o.new_text, o.finish_reason, o.stop_reason) for o in asyn]
