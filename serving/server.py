@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -69,6 +70,10 @@ def main(argv: list[str] | None = None) -> None:
     if pc.nnodes > 1:
         multiprocess.join(pc)  # also before the backends
         _say(f"process {pc.node_rank} of {pc.nnodes} (coordinator {pc.dist_init_addr})")
+        try:
+            multiprocess.check_same_settings(_shared_settings(args), pc.node_rank, pc.nnodes)
+        except ValueError as e:
+            sys.exit(f"error: {e}")
     import uvicorn
 
     from serving.api.response_store import ResponseStore
@@ -146,6 +151,14 @@ def main(argv: list[str] | None = None) -> None:
         watch.stop()
         channel.publish(multiprocess.Stop("process 0 stopped"))
         multiprocess.shutdown()
+
+
+def _shared_settings(args: ServeArgs) -> dict:
+    """What every process of a server on several processes must agree on: the model's and the engine's settings,
+    but the process's own rank (and its CPU device count, checked by the mesh)."""
+    own = {"node_rank", "num_cpu_devices"}
+    engine = {k: v for k, v in args.engine.flat().items() if k not in own}
+    return {**{f.name: getattr(args.model, f.name) for f in dataclasses.fields(args.model)}, **engine}
 
 
 def _follow(engine, pc, t0: float) -> None:

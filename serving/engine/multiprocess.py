@@ -12,6 +12,9 @@ scheduler output to the workers the same way (over shared memory or ZMQ). What c
 `HostStep` pickled (a few KB at decode; `StepChannel` counts bytes and seconds, `serving.bench.multiprocess`
 measures it against one process).
 
+Before anything is loaded the processes compare their settings (`check_same_settings`): processes started with
+different flags would compile different programs and wait for each other forever in their first collective.
+
 Faults. Every other rank sets its heartbeat key every HEARTBEAT_S and, when a step fails on it, a failure key
 naming the error before it exits. Rank 0's `ProcessWatch` reads them every HEARTBEAT_S; a rank whose heartbeat has
 not moved for `--dead-rank-timeout` seconds (exited, killed, stopped) or that reported a failure is dead: the
@@ -88,6 +91,26 @@ def join(pc: ParallelConfig) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(pc.dist_init_addr, pc.nnodes, pc.node_rank,
                                heartbeat_timeout_seconds=max(JAX_HEARTBEAT_TIMEOUT_S, pc.dead_rank_timeout + 10))
+
+
+def check_same_settings(settings: dict, rank: int, nnodes: int, timeout_s: float = START_TIMEOUT_S) -> None:
+    """Every process must serve with the same settings (`settings`: field name -> value, its rank and the other
+    per-process fields left out), or the processes would compile different programs and hang in their first
+    collective. Process 0 compares every other process's with its own, the others theirs with process 0's; a
+    difference is a ValueError naming each differing flag and both values."""
+    client = _client()
+    client.key_value_set_bytes(f"{PREFIX}/settings/{rank}", pickle.dumps(settings))
+
+    def of(r: int) -> dict:
+        return pickle.loads(client.blocking_key_value_get_bytes(f"{PREFIX}/settings/{r}", int(timeout_s * 1000)))
+
+    for other in range(1, nnodes) if rank == 0 else (0,):
+        theirs = of(other)
+        diff = [f"--{k.replace('_', '-')} {settings.get(k)!r} here, {theirs.get(k)!r} on process {other}"
+                for k in sorted(settings.keys() | theirs.keys()) if settings.get(k) != theirs.get(k)]
+        if diff:
+            raise ValueError(f"process {rank}'s settings differ from process {other}'s (every process must run "
+                             f"the same flags but --node-rank): " + "; ".join(diff))
 
 
 def _client():

@@ -171,3 +171,17 @@ def test_tp4_ep4_with_eplb_across_processes_on_v4_and_sigterm_stops_every_proces
         for pid in pids.values():
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
+
+
+def test_processes_started_with_different_flags_refuse_to_serve(tmp_path):
+    """Before loading anything: the processes compare their settings, and a difference names the flag."""
+    addr = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen([sys.executable, "-m", "serving.server", "--model", "tiny", "--nnodes", "2",
+                               "--node-rank", str(rank), "--dist-init-addr", addr, "--num-cpu-devices", "2",
+                               "--tensor-parallel-size", "4", "--max-num-seqs", str(seqs), "--port",
+                               str(free_port())], cwd=REPO_ROOT, env=ENV, stderr=subprocess.PIPE, text=True)
+             for rank, seqs in ((0, 8), (1, 16))]
+    errors = [p.communicate(timeout=120)[1] for p in procs]
+    assert all(p.returncode != 0 for p in procs)
+    assert any("--max-num-seqs 16 here, 8 on process 0" in e or "--max-num-seqs 8 here, 16 on process 1" in e
+               for e in errors), errors

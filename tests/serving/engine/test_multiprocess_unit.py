@@ -2,6 +2,7 @@
 service's key-value store (what rank 0 publishes, every other rank reads in order, a bounded window of keys), and
 the dead-process watch's decisions (a stale heartbeat, a reported failure, a heartbeat that keeps moving)."""
 
+import pickle
 import subprocess
 import sys
 import threading
@@ -132,3 +133,20 @@ def test_the_launcher_gives_each_process_its_rank_and_one_coordinator():
     assert ranks == ["0", "1", "2"] and len(addrs) == 1
     assert all(c[c.index("--nnodes") + 1] == "3" and c[c.index("--num-cpu-devices") + 1] == "2" for c in cmds)
     assert all(c[-2:] == ["--model", "tiny"] for c in cmds)
+
+
+def test_processes_with_different_settings_are_refused_naming_the_flag(store):
+    ours = {"max_num_seqs": 16, "model": "tiny", "seed": 0}
+    store.key_value_set_bytes("dsv41/settings/0", pickle.dumps({**ours, "max_num_seqs": 8}))
+    with pytest.raises(ValueError, match=r"--max-num-seqs 16 here, 8 on process 0") as err:
+        multiprocess.check_same_settings(ours, rank=1, nnodes=2, timeout_s=1)
+    assert "--model" not in str(err.value)
+    multiprocess.check_same_settings({**ours, "max_num_seqs": 8}, rank=2, nnodes=3, timeout_s=1)  # same: fine
+
+
+def test_process_0_compares_every_other_process(store):
+    ours = {"max_num_seqs": 16, "model": "tiny"}
+    store.key_value_set_bytes("dsv41/settings/1", pickle.dumps(ours))
+    store.key_value_set_bytes("dsv41/settings/2", pickle.dumps({**ours, "model": "small"}))
+    with pytest.raises(ValueError, match=r"--model 'tiny' here, 'small' on process 2"):
+        multiprocess.check_same_settings(ours, rank=0, nnodes=3, timeout_s=1)
