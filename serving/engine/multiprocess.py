@@ -9,8 +9,8 @@ key-value store of JAX's coordination service (the service `jax.distributed` alr
 its multi-host state there too); every other rank reads the steps in order and dispatches the same programs on its
 devices (`Runner.execute`), whose collectives tie the processes together. vLLM's multi-node executor broadcasts its
 scheduler output to the workers the same way (over shared memory or ZMQ). What crosses per step is the
-`HostStep` pickled (a few KB at decode; `StepChannel` counts bytes and seconds, `serving.bench.multiprocess`
-measures it against one process).
+`HostStep` pickled (`StepChannel.publish` returns its bytes and time, /metrics sums them;
+`serving.bench.multiprocess` measures them against one process).
 
 Before anything is loaded the processes compare their settings (`check_same_settings`): processes started with
 different flags would compile different programs and wait for each other forever in their first collective.
