@@ -4,7 +4,9 @@ speculative decoding, the draft distributions - and the outputs collected.
 
 One step = one host->device call per program and one device->host copy: the tokens (and, with `expert_counts`, the
 MoE layers' per-expert token counts in the same copy). `step` = `launch` (dispatch, returns at once) + `collect`
-(waits, reads back): the engine does host work between the two. Plain and speculative steps take the same path;
+(waits, reads back): the engine does host work between the two. `launch` = `plan` (every host input of the step, a
+numpy-only `HostStep`) + `execute` (the dispatch): a server on several processes plans on process 0 and executes
+the same `HostStep` on every process (serving.engine.multiprocess). Plain and speculative steps take the same path;
 they differ in the programs around the two segments (`_SampleFinish`: the sampler; `_SpeculativeFinish`: the
 cache snapshot before, verification, rollback and drafting after).
 
