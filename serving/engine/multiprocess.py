@@ -191,32 +191,12 @@ def follow(runner, channel: StepChannel, rank: int) -> int:
         beat.stop()
 
 
-class _Heartbeat:
-    def __init__(self, rank: int):
-        self.key, self._stop = f"{PREFIX}/alive/{rank}", threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rank-heartbeat", daemon=True)
+class _EveryBeat:
+    """A daemon thread calling `beat(client)` every HEARTBEAT_S until `stop()`, or until a beat returns True."""
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _run(self) -> None:
-        client, n = _client(), 0
-        while not self._stop.wait(HEARTBEAT_S):
-            n += 1
-            client.key_value_set_bytes(self.key, str(n).encode(), allow_overwrite=True)
-
-
-class ProcessWatch:
-    """Rank 0: every other rank's heartbeat and failure keys, read every HEARTBEAT_S; `on_failure(ProcessFailed)` once,
-    for the first rank found dead."""
-
-    def __init__(self, nnodes: int, timeout_s: float, on_failure: Callable[[ProcessFailed], None]):
-        self.nnodes, self.timeout_s, self.on_failure = nnodes, timeout_s, on_failure
+    def __init__(self, name: str):
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rank-watch", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -226,14 +206,47 @@ class ProcessWatch:
 
     def _run(self) -> None:
         client = _client()
-        now = time.monotonic()
-        seen = {r: (b"", now) for r in range(1, self.nnodes)}  # rank -> (last heartbeat value, when it changed)
         while not self._stop.wait(HEARTBEAT_S):
-            failure = self._check(client, seen, time.monotonic())
-            if failure is not None:
-                log.error("%s", failure)
-                self.on_failure(failure)
+            if self.beat(client):
                 return
+
+    def beat(self, client) -> bool:
+        raise NotImplementedError
+
+
+class _Heartbeat(_EveryBeat):
+    """A rank other than 0: a counter under its heartbeat key, moved every beat."""
+
+    def __init__(self, rank: int):
+        super().__init__("rank-heartbeat")
+        self.key, self.n = f"{PREFIX}/alive/{rank}", 0
+
+    def beat(self, client) -> bool:
+        self.n += 1
+        client.key_value_set_bytes(self.key, str(self.n).encode(), allow_overwrite=True)
+        return False
+
+
+class ProcessWatch(_EveryBeat):
+    """Rank 0: every other rank's heartbeat and failure keys, read every HEARTBEAT_S; `on_failure(ProcessFailed)` once,
+    for the first rank found dead."""
+
+    def __init__(self, nnodes: int, timeout_s: float, on_failure: Callable[[ProcessFailed], None]):
+        super().__init__("rank-watch")
+        self.nnodes, self.timeout_s, self.on_failure = nnodes, timeout_s, on_failure
+        self.seen: dict[int, tuple[bytes, float]] = {}  # rank -> (last heartbeat value, when it changed)
+
+    def start(self) -> None:
+        now = time.monotonic()
+        self.seen = {r: (b"", now) for r in range(1, self.nnodes)}
+        super().start()
+
+    def beat(self, client) -> bool:
+        failure = self._check(client, self.seen, time.monotonic())
+        if failure is not None:
+            log.error("%s", failure)
+            self.on_failure(failure)
+        return failure is not None
 
     def _check(self, client, seen: dict, now: float) -> ProcessFailed | None:
         for key, value in client.key_value_dir_get_bytes(f"{PREFIX}/failed/"):
