@@ -26,6 +26,8 @@ class TrainConfig:
     batch_size: int = _field(4, "windows per step")
     backbone_steps: int = _field(450, "LM steps (AdamW, warmup + cosine)")
     dspark_steps: int = _field(100, "drafter steps after the backbone, against the frozen backbone")
+    init_from: str = _field("", "start from this checkpoint folder's parameters (decoded to float32) instead of "
+                                "random ones: with --backbone-steps 0, train its drafter further")
     learning_rate: float = _field(3e-3, "backbone peak learning rate")
     dspark_learning_rate: float = _field(3e-3, "drafter peak learning rate")
     warmup_steps: int = _field(50, "linear warmup of each phase")

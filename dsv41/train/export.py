@@ -17,6 +17,12 @@ Checks (refused export if the first fails): the folder, loaded back, holds exact
 through the release quantization (decoded here from the quantized arrays, independently of the loader), so its
 logits equal theirs (max |diff| reported, 0 expected); and what the quantization costs: held-out perplexity of
 the trained float32 parameters vs the exported ones on the same windows.
+
+`--drafter-only` (a run that trained only the drafter, `--backbone-steps 0 --init-from` the folder): the export is
+checked as above in a folder beside --out, then only its DSpark tensors (`mtp.*`) replace --out's; every other
+tensor of --out stays byte for byte (a dequantized tensor quantized again need not give the same bytes), so the
+target is exactly the one the drafter was trained against and its outputs do not move. export.json gains a
+"drafter" entry.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import numpy as np
 
 import dsv41
 from dsv41 import checkpoint, nano, quant
+from dsv41.safetensors_io import SINGLE_NAME, open_checkpoint, write_safetensors
 from dsv41.train.data import DEFAULT_DATA_DIR, eval_windows, load_tokens
 
 
@@ -121,6 +128,32 @@ def export(run: Path, out: Path, data: Path, *, eval_windows_n: int = 8, seq_len
     return report
 
 
+def splice_drafter(exported: Path, out: Path) -> dict:
+    """--out's model.safetensors with the DSpark tensors of `exported` (same names, shapes and formats required)."""
+    old, new = open_checkpoint(out), open_checkpoint(exported)
+    if set(old) != set(new):
+        raise SystemExit(f"error: {exported} and {out} hold different tensors: {sorted(set(old) ^ set(new))[:5]}")
+    tensors, e8m0, replaced = {}, set(), 0
+    for name, entry in old.items():
+        src = new[name] if name.startswith("mtp.") else entry
+        if (src.dtype, src.shape) != (entry.dtype, entry.shape):
+            raise SystemExit(f"error: {name} is {src.dtype} {src.shape} in {exported}, {entry.dtype} {entry.shape} "
+                             f"in {out}")
+        tensors[name] = np.array(src.read())
+        if src.dtype == "F8_E8M0":
+            e8m0.add(name)
+        replaced += name.startswith("mtp.")
+    tmp = out / (SINGLE_NAME + ".tmp")
+    write_safetensors(tmp, tensors, e8m0)
+    tmp.replace(out / SINGLE_NAME)
+    kept = open_checkpoint(out)
+    for name, entry in old.items():
+        want = new[name] if name.startswith("mtp.") else entry
+        if not np.array_equal(kept[name].read().view(np.uint8), want.read().view(np.uint8)):
+            raise SystemExit(f"error: {name} did not survive the splice")
+    return {"replaced_tensors": replaced, "kept_tensors": len(old) - replaced}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m dsv41.train.export", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -129,12 +162,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=nano.NANO_DIR, help=f"output folder (default {nano.NANO_DIR})")
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA_DIR, help=f"prepared corpus (default {DEFAULT_DATA_DIR})")
     ap.add_argument("--eval-windows", type=int, default=8, help="held-out windows of 1024 tokens for the report")
+    ap.add_argument("--drafter-only", action="store_true", help="replace only --out's DSpark tensors (docstring)")
     a = ap.parse_args(argv)
     for need in (a.run / "model" / "config.json", a.run / "results.json", a.data / "heldout.txt"):
         if not need.is_file():
             raise SystemExit(f"error: {need} is missing (train with `python -m dsv41.train`, data with "
                              "`python -m dsv41.train.data`)")
-    print(json.dumps(export(a.run, a.out, a.data, eval_windows_n=a.eval_windows), indent=1))
+    if not a.drafter_only:
+        print(json.dumps(export(a.run, a.out, a.data, eval_windows_n=a.eval_windows), indent=1))
+        return
+    staging = a.out.with_name(a.out.name + ".drafter-export")
+    report = export(a.run, staging, a.data, eval_windows_n=a.eval_windows)
+    spliced = splice_drafter(staging, a.out)
+    shutil.rmtree(staging)
+    export_json = a.out / "export.json"
+    full = json.loads(export_json.read_text())
+    full["drafter"] = {"run": a.run.name, "exported": time.strftime("%Y-%m-%d"), **spliced,
+                       "check_release_vs_quantized_params": report["check_release_vs_quantized_params"],
+                       "training": report["training"]}
+    export_json.write_text(json.dumps(full, indent=1) + "\n")
+    print(json.dumps(full["drafter"], indent=1))
 
 
 if __name__ == "__main__":

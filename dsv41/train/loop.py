@@ -153,6 +153,31 @@ def compiled_steps(c: ModelConfig, tc: TrainConfig) -> dict[str, Callable]:
             "groups": groups, "abstract": abstract}
 
 
+def checkpoint_params(folder: str, config: ModelConfig, abstract: dict[tuple, jax.ShapeDtypeStruct]
+                      ) -> dict[tuple, np.ndarray]:
+    """A checkpoint's parameters as float32 arrays for every path of `abstract` (its FP8 / MXFP4 tensors and FP8
+    Engram rows decoded); the checkpoint must be of `config`."""
+    import dsv41
+    from dsv41.layers.engram import decode_rows
+
+    model = dsv41.load(folder, "float32", weights="dequantize")
+    unquantized = lambda c: {k: v for k, v in c.to_release_dict().items() if k != "quantization_config"}  # noqa: E731
+    if unquantized(model.config) != unquantized(config):
+        raise ValueError(f"init_from {folder} holds another model config than the one trained")
+    out = {}
+    for path, spec in abstract.items():
+        if path not in model.params:
+            raise ValueError(f"init_from {folder} has no tensor {'.'.join(map(str, path))}")
+        value = model.params[path]
+        if path[-1] == "weight" and path[-2] == "embed" and "engram" in path and value.dtype != np.float32:
+            value = decode_rows(value, model.params[path[:-1] + ("scale",)], jnp.float32)
+        value = np.asarray(value, np.float32)
+        if value.shape != tuple(spec.shape):
+            raise ValueError(f"init_from {folder}: {'.'.join(map(str, path))} is {value.shape}, not {spec.shape}")
+        out[path] = value
+    return out
+
+
 def _max_load(loads_LE: jax.Array) -> jax.Array:
     """Worst layer's busiest expert over the mean load (1.0 = perfectly balanced)."""
     loads = loads_LE.astype(jnp.float32)
@@ -227,6 +252,8 @@ class Trainer:
         abstract = {k: v for k, v in self.fns["abstract"].items()}
         _, paths, _ = _graph(self.config)
         drawn = init_train_params(self.config, {paths[k]: v for k, v in abstract.items()}, self.tc.seed)
+        if self.tc.init_from:
+            drawn = checkpoint_params(self.tc.init_from, self.config, {paths[k]: v for k, v in abstract.items()})
         params = {g: {k: jnp.asarray(drawn[paths[k]]) for k in keys} for g, keys in self.fns["groups"].items()}
         state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt": self.fns["init_opt"](params)}
         # committed like a restored checkpoint's arrays, so a resumed run reuses the compiled steps

@@ -4,9 +4,11 @@ acceptance  held-out prompts (passages of *Persuasion*, which training never saw
             verified per step: the mean acceptance length (1 + accepted drafts / verification steps, vLLM's
             definition), the per-position acceptance rate (drafts accepted at position i / verification steps) and
             whether every output equals non-speculative decoding token for token.
+            (Every step verifies k drafts: `"adaptive": false`.)
 throughput  decode tokens/s of the engine's step loop (scheduler, runner, detokenizer) at c = 1 and c = 8 concurrent
-            requests, speculation off and on (k = block), alternating, `--repeats` each, medians: tokens generated
-            after every request had its first token, over the time from then to the last token.
+            requests, speculation off, on with the adaptive default and on at k = block every step, alternating,
+            `--repeats` each, medians: tokens generated after every request had its first token, over the time
+            from then to the last token. The server-level comparison: `serving.bench.spec_server`.
 
     python -m serving.bench.spec_decode [--dtype auto] [--json docs/benchmarks/spec_decode.json]
 """
@@ -63,7 +65,8 @@ def acceptance(model, tok, prompts, plain_out, args) -> list[dict]:
     rows = []
     B = model.config.dspark_block_size
     for k in range(1, B + 1):
-        eng = _engine(model, tok, json.dumps({"method": "dspark", "num_speculative_tokens": k}), len(prompts), args)
+        eng = _engine(model, tok, json.dumps({"method": "dspark", "num_speculative_tokens": k, "adaptive": False}),
+                      len(prompts), args)
         out, _, _ = _run(eng, prompts, args.max_tokens)
         drafts = _counter(eng, "vllm:spec_decode_num_drafts")
         acc = _counter(eng, "vllm:spec_decode_num_accepted_tokens")
@@ -81,24 +84,29 @@ def throughput(model, tok, prompts, args) -> list[dict]:
     rows = []
     for c in (1, 8):
         engines = {"off": _engine(model, tok, None, c, args),
-                   "on": _engine(model, tok, json.dumps({"method": "dspark", "num_speculative_tokens": B}), c, args)}
+                   "adaptive": _engine(model, tok, json.dumps({"method": "dspark"}), c, args),
+                   "on": _engine(model, tok, json.dumps({"method": "dspark", "num_speculative_tokens": B,
+                                                         "adaptive": False}), c, args)}
         for eng in engines.values():
-            _run(eng, prompts[:c], 8)  # warm-up
-        tps = {"off": [], "on": []}
+            _run(eng, prompts[:c], args.max_tokens)  # warm-up (the adaptive policy's trials at this concurrency)
+        tps = {name: [] for name in engines}
         for _ in range(args.repeats):
             for name, eng in engines.items():
                 _, seconds, n = _run(eng, prompts[:c], args.max_tokens)
                 tps[name].append(n / seconds)
         med = {name: statistics.median(v) for name, v in tps.items()}
-        rows.append({"concurrency": c, "tokens_per_s_off": med["off"], "tokens_per_s_on": med["on"],
-                     "speedup": med["on"] / med["off"], "repeats": tps})
-        print(f"c={c}: off {med['off']:.1f} tok/s, on {med['on']:.1f} tok/s, x{med['on'] / med['off']:.2f}", flush=True)
+        rows.append({"concurrency": c, "tokens_per_s_off": med["off"], "tokens_per_s_adaptive": med["adaptive"],
+                     "tokens_per_s_on": med["on"], "speedup": med["on"] / med["off"],
+                     "adaptive_speedup": med["adaptive"] / med["off"], "repeats": tps})
+        print(f"c={c}: off {med['off']:.1f} tok/s, adaptive {med['adaptive']:.1f}, k={B} {med['on']:.1f}", flush=True)
     return rows
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--model", type=Path, default=None, help="a nano-austen folder (default: the built-in one)")
+    ap.add_argument("--skip-throughput", action="store_true", help="the acceptance table only")
     ap.add_argument("--prompts", type=int, default=16, help="held-out prompts for the acceptance table")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -115,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
     from serving.text.tokenizer import Tokenizer
 
     enable_compilation_cache(args.compilation_cache_dir)
-    folder = nano.NANO_DIR
+    folder = args.model or nano.NANO_DIR
     model = dsv41.load(folder, dtype=dsv41.auto_dtype({}, release=True).name if args.dtype == "auto" else args.dtype)
     tok = Tokenizer.from_dir(folder)
     prompts = [list(map(int, p)) for p in nano.passages(args.prompt_len, args.prompts, folder)]
@@ -124,16 +132,17 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"model": folder.name, "dtype": model.dtype.name, "block": model.config.dspark_block_size,
               "prompts": args.prompts, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
               "acceptance": acceptance(model, tok, prompts, plain_out, args),
-              "throughput": throughput(model, tok, prompts, args)}
+              "throughput": [] if args.skip_throughput else throughput(model, tok, prompts, args)}
     print("\n| k | acceptance length | per-position acceptance rate | outputs equal to plain |")
     print("|---|---|---|---|")
     for r in result["acceptance"]:
         rates = " / ".join(f"{x:.2f}" for x in r["per_position_rate"])
         print(f"| {r['k']} | {r['acceptance_length']:.3f} | {rates} | {r['outputs_equal_plain']}/{r['prompts']} |")
-    print("\n| concurrency | decode tok/s off | on (k = block) | on / off |")
-    print("|---|---|---|---|")
+    print("\n| concurrency | decode tok/s off | adaptive | adaptive / off | k = block every step | k = block / off |")
+    print("|---|---|---|---|---|---|")
     for r in result["throughput"]:
-        print(f"| {r['concurrency']} | {r['tokens_per_s_off']:.1f} | {r['tokens_per_s_on']:.1f} | {r['speedup']:.2f} |")
+        print(f"| {r['concurrency']} | {r['tokens_per_s_off']:.1f} | {r['tokens_per_s_adaptive']:.1f} | "
+              f"{r['adaptive_speedup']:.2f} | {r['tokens_per_s_on']:.1f} | {r['speedup']:.2f} |")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return result

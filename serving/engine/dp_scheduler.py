@@ -47,8 +47,8 @@ class DataParallelScheduler:
         self.ranks[req.rank].remove(req)
         self.router.finish(req.rank)
 
-    def schedule(self) -> list[Scheduled]:
-        return [s for r in self.ranks for s in r.schedule()]
+    def schedule(self, max_drafts: int | None = None) -> list[Scheduled]:
+        return [s for r in self.ranks for s in r.schedule(max_drafts)]
 
     def launched(self, sched: list[Scheduled]) -> list[bool]:
         return [self.ranks[s.request.rank].launched([s])[0] for s in sched]

@@ -22,6 +22,12 @@ steps in order). Outputs are the same as step by step. V4.1's Engram hash ids of
 finished on the device from the host's look-back (`dsv41.layers.engram`). On a mesh every rank reads the replicated
 sampled tokens by global row. It needs no speculative decoding, EPLB or Engram tables in host memory (their rows are
 gathered by the host); elsewhere steps go one at a time.
+
+Speculative decoding (`--speculative-config`): before each step the speculation policy
+(`serving.engine.spec_policy`) picks how many drafts it verifies per request, k in 0..num_speculative_tokens, from
+the output rates measured at this concurrency. k = 0 is a plain step (the sampler, the drafts dropped, async
+scheduling kept); k >= 1 verifies the requests' drafts and drafts the next block, and goes after the step before it
+is collected (its drafts are read from that step).
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from serving.engine.multiprocess import Execute, Rebalance, StepChannel
 from serving.engine.output import OutputState
 from serving.engine.request import Finish, Request, RequestOutput, TokenLogprob
 from serving.engine.scheduler import Scheduled
+from serving.engine.spec_policy import SpeculationPolicy
 from serving.runtime.batch import SeqChunk
 from serving.runtime.exe_cache import ExecutableCacheSettings
 from serving.runtime.outputs import LaunchedStep, SpeculativeStepOutput, StepOutput
@@ -61,6 +68,8 @@ class _InFlight(NamedTuple):
     sched: list[Scheduled]
     launched: LaunchedStep
     pending: list[bool] | None = None
+    k: int = 0  # drafts verified per request at most (0: a plain step)
+    decode: bool = False  # decode rows only (the speculation policy measures these)
 
 
 class Engine:
@@ -86,8 +95,11 @@ class Engine:
                              expert_counts=args.eplb.enable_eplb, executable_cache=executable_cache)
         self.runner.compiler.precompile(background=background_compile)
         self.spec = self.runner.spec
+        self.spec_policy = None
         if self.spec:
             self.metrics.add_spec_decode(self.spec.num_speculative_tokens)
+            self.spec_policy = SpeculationPolicy(self.spec.num_speculative_tokens, adaptive=self.spec.adaptive)
+        self._collected_at: float | None = None  # when the last step was collected
         layout = self.runner.layout
         self.scheduler = DataParallelScheduler(args.scheduler, args.runtime, model.config, num_blocks=layout.num_blocks,
                                                block_size=layout.block_size, ranks=self.runner.ranks,
@@ -109,6 +121,11 @@ class Engine:
 
     def scheduling_summary(self) -> str:
         """One line for the banner: async scheduling, or why steps go one at a time."""
+        if self.async_scheduling and self.spec_policy is not None and self.spec_policy.adaptive:
+            return ("async for plain steps (each dispatched before the previous one's tokens reach the host); a step "
+                    "verifying drafts goes after the one before it")
+        if self.async_scheduling and self.spec is not None:
+            return "one step at a time (every step verifies drafts: speculative_config adaptive false)"
         if self.async_scheduling:
             return "async (each step is dispatched before the previous one's tokens reach the host)"
         return f"one step at a time ({self._async_blocker})"
@@ -174,16 +191,19 @@ class Engine:
         # Trace annotations name the phases of a step (engine.schedule, runner.build / segment1 / segment2 /
         # sample / readback, engine.detokenize) so a profile splits host time by phase (serving.engine.trace_report).
         with jax.profiler.TraceAnnotation("engine.step"):
-            done = self._inflight or self._launch()
+            if self._inflight is None:  # from idle: the time since the last step is no step's
+                self._collected_at = None
+            done = self._inflight or self._launch(k=self._next_k())
             self._inflight = None
             outputs: list[RequestOutput] = []
             if done is not None:
-                if self.async_scheduling:  # the next step goes out first, its decode rows reading done's tokens
+                k = self._next_k()
+                if self.async_scheduling and k == 0 == done.k:  # the next goes out first, its rows reading done's
                     nxt = self._launch(done)
                     out, before, finishes, now = self._collect(done)
-                else:
+                else:  # a speculative step reads the drafts of the step before it
                     out, before, finishes, now = self._collect(done)
-                    nxt = self._launch()
+                    nxt = self._launch(k=k)
                 self._inflight = nxt  # the device runs it while the host makes this step's text
                 outputs = self._outputs(done.sched, out, before, finishes, now)
             self._settle()
@@ -197,22 +217,34 @@ class Engine:
             self._collect(self._inflight)
             self._inflight = None
 
-    def _launch(self, prev: _InFlight | None = None) -> _InFlight | None:
-        """Schedule and dispatch a step; `prev`, the step in flight (async scheduling), holds the tokens that its
-        requests' rows in this one read on the device."""
+    def _next_k(self) -> int:
+        """The drafts the next step verifies per request at most (the speculation policy's choice; 0 without)."""
+        if self.spec_policy is None:
+            return 0
+        k = self.spec_policy.choose(len(self.scheduler.running))
+        self.metrics.spec_chosen_k.set(k)
+        return k
+
+    def _launch(self, prev: _InFlight | None = None, k: int = 0) -> _InFlight | None:
+        """Schedule and dispatch a step verifying up to `k` drafts per request (0: a plain step); `prev`, the step in
+        flight (async scheduling), holds the tokens that its requests' rows in this one read on the device."""
         with jax.profiler.TraceAnnotation("engine.schedule"):
-            sched = self.scheduler.schedule()
+            sched = self.scheduler.schedule(max_drafts=k)
         if not sched:
             return None
         self._note_admissions(sched)
         rows = {} if prev is None else {id(s.request): int(r) for s, r in zip(prev.sched, prev.launched.segments.rows)}
         chunks, before = [self._chunk(s, rows) for s in sched], None if prev is None else prev.launched
         host = self.runner.plan(chunks, [s.request.params for s in sched], [self._banned(s.request) for s in sched],
-                                prev=before)
+                                prev=before, speculate=k > 0)
         if self.step_channel is not None:  # the other processes' ranks run the same step
             self.metrics.step_broadcast(*self.step_channel.publish(Execute(host, reads_prev=before is not None)))
         launched = self.runner.execute(host, before, chunks)
-        return _InFlight(sched, launched, self.scheduler.launched(sched) if self.async_scheduling else None)
+        if self.spec:
+            self.metrics.spec_steps[k].inc()
+        decode = all(s.sample and s.end - s.start - s.num_draft == 1 for s in sched)  # no prefill chunk
+        return _InFlight(sched, launched, self.scheduler.launched(sched) if self.async_scheduling and not k else None,
+                         k, decode)
 
     def _collect(self, step: _InFlight) -> tuple[StepOutput | SpeculativeStepOutput, list[int], list[Finish | None],
                                                   float]:
@@ -222,12 +254,14 @@ class Engine:
         previous step; or aborted) is skipped: its row is dropped. Returns the step's outputs, each request's token
         count before the step and its finish."""
         out = self.runner.collect(step.launched)
+        collected, last = time.perf_counter(), self._collected_at
+        self._collected_at = collected
         if self.eplb is not None and (placement := self.eplb.after_step(out.expert_counts)) is not None:
             if self.step_channel is not None:  # the other processes migrate theirs at the same place
                 self.step_channel.publish(Rebalance(placement))
             self.eplb.apply(placement, self.runner)  # the weights migrate here, between two steps
         now = time.monotonic()
-        before, finishes = [], []
+        before, finishes, emitted = [], [], 0
         for i, s in enumerate(step.sched):
             req = s.request
             before.append(req.num_tokens)
@@ -235,9 +269,12 @@ class Engine:
             if req.finished:
                 continue
             toks = self._emitted(s, out, i)
+            emitted += len(toks)
             stop = self._out[req.request_id].find_stop(toks) if toks and req.params.stop else None
             finishes[-1] = self.scheduler.postprocess(s, toks, None if step.pending is None else step.pending[i],
                                                       stop)
+        if self.spec_policy is not None and step.decode and last is not None:
+            self.spec_policy.record(step.k, len(step.sched), emitted, collected - last)
         return out, before, finishes, now
 
     def _outputs(self, sched: list[Scheduled], out: StepOutput | SpeculativeStepOutput, before: list[int],
@@ -271,6 +308,8 @@ class Engine:
                 for pos in range(len(toks) - 1):
                     m.spec_accepted_per_pos[pos].inc()
             s.request.draft_ids = [int(t) for t in out.drafts[i][:self.spec.num_speculative_tokens]]
+        else:
+            s.request.draft_ids = []  # a plain step moved past the positions they were drafted for
         return toks
 
     @staticmethod
@@ -286,6 +325,7 @@ class Engine:
         return SeqChunk(slot=req.slot, block_table=self.scheduler.block_table(req), token_ids=req.token_ids,
                         pending_row=prev_rows[id(req)] if req.num_pending else -1,
                         draft_ids=req.draft_ids[:s.num_draft],
+                        ban_rows=max(0, req.params.min_tokens - req.num_output),
                         rank=req.rank, start=s.start, end=s.end, kv_floor=req.plan.replay_start,
                         write_floor=req.plan.write_floor,
                         trim=self.args.runtime.swa_bounded_replay and not req.keeps_all_rows, sample=s.sample,

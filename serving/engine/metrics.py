@@ -71,6 +71,11 @@ class EngineMetrics:
         per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted drafts by position in the "
                           "draft (0: the first).", labelnames=["model_name", "position"], registry=self.registry)
         self.spec_accepted_per_pos = [per_pos.labels(self._m, str(i)) for i in range(k)]
+        self.spec_chosen_k = self._g("dsv41:spec_decode_k", "Drafts per request the next step verifies at most, as the "
+                                     "speculation policy chose (0: a plain step).")
+        steps = Counter("dsv41:spec_decode_steps", "Steps run by the drafts per request they verified at most (k; 0: "
+                        "plain steps).", labelnames=["model_name", "k"], registry=self.registry)
+        self.spec_steps = [steps.labels(self._m, str(i)) for i in range(k + 1)]
 
     def add_multiprocess(self) -> None:
         """Rank 0 of a server on several processes: the steps it publishes to the other ranks."""

@@ -167,7 +167,8 @@ class Scheduler:
         req.slot = None
 
     # --------------------------------------------------------------- schedule
-    def schedule(self) -> list[Scheduled]:
+    def schedule(self, max_drafts: int | None = None) -> list[Scheduled]:
+        """The next step's chunks; each decoding request verifies at most `max_drafts` of its drafts (None: all)."""
         budget = self.rc.max_num_batched_tokens
         out: list[Scheduled] = []
         preempted = False
@@ -179,7 +180,7 @@ class Scheduler:
             n = self._chunk(req, req.num_computed, budget)
             if n == 0:  # async scheduling: its last token is in flight and ends it (a length limit)
                 continue
-            k = self._drafts(req, budget - n) if req.num_computed + n == req.num_tokens else 0
+            k = self._drafts(req, budget - n, max_drafts) if req.num_computed + n == req.num_tokens else 0
             if k and not self.blocks.allocate(req.request_id, req.num_computed + n + k):
                 k = 0  # short of blocks: verify nothing rather than preempt for drafts
             while not self.blocks.allocate(req.request_id, req.num_computed + n):
@@ -238,15 +239,16 @@ class Scheduler:
             n = min(n, cap)
         return n
 
-    def _drafts(self, req: Request, room: int) -> int:
+    def _drafts(self, req: Request, room: int, most: int | None = None) -> int:
         """Drafts a decoding request verifies: what it has, within the step's token budget, the tokens it may still
-        emit (a step emits up to one more than it verifies) and the model length. None while EOS / stop ids are
-        banned (min_tokens), which would change the verified rows' distributions."""
+        emit (a step emits up to one more than it verifies) and the model length. While min_tokens bans EOS and
+        the stop ids, the verification bans them in the rows that emit those outputs (`SeqChunk.ban_rows`)."""
         p = req.params
-        if not req.draft_ids or req.num_output < p.min_tokens:
+        if not req.draft_ids:
             return 0
         left = (p.max_tokens - req.num_output) if p.max_tokens is not None else self.rc.max_model_len
-        return max(0, min(len(req.draft_ids), room, left - 1, self.rc.max_model_len - req.num_tokens))
+        most = len(req.draft_ids) if most is None else min(most, len(req.draft_ids))
+        return max(0, min(most, room, left - 1, self.rc.max_model_len - req.num_tokens))
 
     def _admit(self, req: Request) -> int | None:
         """Prefix lookup + replay rewind + block reservation for the whole sequence; the first position to

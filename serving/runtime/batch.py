@@ -36,6 +36,8 @@ class SeqChunk:
     prompt_logprobs: bool = False  # log-probabilities of every row's next token (needs trim off)
     rank: int = 0  # the data-parallel rank holding the request's KV (slot and blocks are that rank's)
     draft_ids: Sequence[int] = ()  # speculative decoding: drafted tokens after token_ids that this chunk verifies
+    # speculative decoding: its first this many verified rows may not emit the banned ids (min_tokens not reached)
+    ban_rows: int = 0
     # async scheduling: the token after token_ids (this chunk's last position) is the one the previous step samples
     # in this row of its sampled tokens, still on the device; -1: every token of the chunk is in token_ids
     pending_row: int = -1

@@ -88,10 +88,12 @@ class StepBuilder:
         K = self.verify_rows - 1
         i32 = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
         slot, row0, n_draft, first, floor, drafts, active = i32(R), i32(R), i32(R), i32(R), i32(R), i32(R, K), i32(R)
+        ban_rows = i32(R)
         for j, ch in enumerate(chunks):  # one rank: the chunk's index is its row
             nd = ch.num_draft
             slot[j], row0[j], n_draft[j], floor[j], active[j] = ch.slot, ch.end - 1 - nd, nd, ch.kv_floor, ch.sample
             first[j] = batch.rows.first_R[0, j] + ch.num_tokens - 1 - nd
             drafts[j, :nd] = ch.draft_ids[:nd]
+            ban_rows[j] = ch.ban_rows
         return SpecInputs(slot, row0, n_draft, drafts, first, floor, active.astype(bool),
-                          batch.requests.block_table_RM[0][:R])
+                          batch.requests.block_table_RM[0][:R], ban_rows)

@@ -127,10 +127,9 @@ class StepCompiler:
     def bucket_keys(self) -> list[BucketKey]:
         """Every bucket a step can run on."""
         T, K = self.buckets.tokens, self.buckets.kept
+        last = [Program.SAMPLE.at(n) for n in self.sample_rows]  # a speculative runner's plain steps too
         if self.spec:
-            last = [p.at(r) for r in self.spec_rows for p in (Program.SPEC_SNAPSHOT, Program.SPEC_FINISH)]
-        else:
-            last = [Program.SAMPLE.at(n) for n in self.sample_rows]
+            last += [p.at(r) for r in self.spec_rows for p in (Program.SPEC_SNAPSHOT, Program.SPEC_FINISH)]
         return [Program.SEGMENT1.at(t) for t in T] + [Program.SEGMENT2.at(k) for k in K] + last
 
     def essential_keys(self) -> list[BucketKey]:
@@ -275,7 +274,8 @@ class StepCompiler:
             return (*state, self._batch_spec(self.builder.example(n, n).segment2()))
         if p is Program.SAMPLE:
             R = self.ranks * self.rc.max_num_seqs
-            return jax.ShapeDtypeStruct((R, self.config.vocab_size), jnp.float32), sampling_arrays([], [], R, 0)
+            rows = (R, self.verify_rows) if self.spec else (R,)  # speculative: the segments' [R, J, V] logits
+            return jax.ShapeDtypeStruct((*rows, self.config.vocab_size), jnp.float32), sampling_arrays([], [], R, 0)
         s = self.builder.spec_inputs([], self.builder.example(1, 1), n)
         if p is Program.SPEC_SNAPSHOT:
             return self.cache_spec, s

@@ -161,8 +161,10 @@ def build_programs(layout: CacheLayout, rc: RuntimeConfig, *, param_specs: list[
 
 
 def _sampler(rows: int, ranks: int, max_top_k: int):
-    """`sample_rows` on `rows` requests per rank, named `sample` (`jit_sample` in profiles)."""
-    def sample(logits_RV, p):
+    """`sample_rows` on `rows` requests per rank, named `sample` (`jit_sample` in profiles). A speculative runner's
+    segments give [R, J, V] logits: a plain step's chunks verify no drafts, so their row 0 is their last row."""
+    def sample(logits, p):
+        logits_RV = logits[:, 0] if logits.ndim == 3 else logits
         return sample_rows(logits_RV, p, rows=rows, ranks=ranks, max_top_k=max_top_k)
 
     return sample

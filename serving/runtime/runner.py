@@ -8,7 +8,8 @@ MoE layers' per-expert token counts in the same copy). `step` = `launch` (dispat
 numpy-only `HostStep`) + `execute` (the dispatch): a server on several processes plans on process 0 and executes
 the same `HostStep` on every process (serving.engine.multiprocess). Plain and speculative steps take the same path;
 they differ in the programs around the two segments (`_SampleFinish`: the sampler; `_SpeculativeFinish`: the
-cache snapshot before, verification, rollback and drafting after).
+cache snapshot before, verification, rollback and drafting after). A runner with speculative decoding runs both,
+which one chosen per step (`speculate`; the engine's speculation policy picks).
 
 What the steps run on - cache layout, buckets, kernels, programs and their executables - is the compiler's
 (`runner.compiler`, `serving.runtime.compiler.StepCompiler`); `runner.compiler.precompile()` compiles every bucket
@@ -87,7 +88,10 @@ class Runner:
         self.cache: KVCache = self.fresh_cache()
         self.carry_buf = self._zeros(self.compiler.carry_shapes)
         self.q_buf = self._zeros(self.compiler.q_buf_spec) if self.spec else None  # [slots, block, V]
-        self._finish = _SpeculativeFinish(self) if self.spec else _SampleFinish(self)
+        # a speculative runner also runs plain steps (the sampler on each request's first logits row), which the
+        # engine picks when verifying drafts would not pay (serving.engine.spec_policy)
+        self._sample = _SampleFinish(self)
+        self._speculate = _SpeculativeFinish(self) if self.spec else None
 
     # ------------------------------------------------------------------ state
     def fresh_cache(self) -> KVCache:
@@ -115,8 +119,7 @@ class Runner:
     def async_blocker(self) -> str | None:
         """Why a step cannot be launched before the previous one is collected, its rows reading that step's sampled
         tokens on the device (`SeqChunk.pending_row`); None when it can."""
-        return ("speculative decoding" if self.spec
-                else "Engram tables in host memory" if self.model.engram_tables is not None else None)
+        return "Engram tables in host memory" if self.model.engram_tables is not None else None
 
     @property
     def supports_async(self) -> bool:
@@ -124,44 +127,56 @@ class Runner:
 
     # ------------------------------------------------------------------ steps
     def step(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams | None],
-             banned: Sequence[Sequence[int]] | None = None) -> StepOutput | SpeculativeStepOutput:
-        """Run one step and sample each request's next token; row logprobs for chunks that ask for them. With
-        speculative decoding each request verifies its drafts (`SeqChunk.draft_ids`) and emits 1 .. 1 + k tokens."""
-        return self.collect(self.launch(chunks, params, banned))
+             banned: Sequence[Sequence[int]] | None = None, *, speculate: bool | None = None
+             ) -> StepOutput | SpeculativeStepOutput:
+        """Run one step and sample each request's next token; row logprobs for chunks that ask for them. A
+        speculative step (`speculate`, default: whether the runner has speculative decoding) verifies each request's
+        drafts (`SeqChunk.draft_ids`), emits 1 .. 1 + k tokens and drafts the next block."""
+        return self.collect(self.launch(chunks, params, banned, speculate=speculate))
 
     def launch(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams | None],
-               banned: Sequence[Sequence[int]] | None = None, prev: LaunchedStep | None = None) -> LaunchedStep:
+               banned: Sequence[Sequence[int]] | None = None, prev: LaunchedStep | None = None, *,
+               speculate: bool | None = None) -> LaunchedStep:
         """`step` without its wait: the step's programs are dispatched and the host returns at once, so it can
         work while the device runs (the engine produces the previous step's text then). `collect` waits.
         `prev`: the step launched before this one, not collected yet, whose sampled tokens the chunks with a
-        `pending_row` read (async scheduling, `supports_async`)."""
-        return self.execute(self.plan(chunks, params, banned, prev), prev, chunks)
+        `pending_row` read (async scheduling, `supports_async`; plain steps only)."""
+        return self.execute(self.plan(chunks, params, banned, prev, speculate=speculate), prev, chunks)
 
     def plan(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams | None],
-             banned: Sequence[Sequence[int]] | None = None, prev: LaunchedStep | None = None) -> HostStep:
+             banned: Sequence[Sequence[int]] | None = None, prev: LaunchedStep | None = None, *,
+             speculate: bool | None = None) -> HostStep:
         """Everything the step's programs take from the host (no device work): what the engine on several
         processes sends to the other ranks, each of which `execute`s it on its devices."""
-        if any(ch.pending_row >= 0 for ch in chunks) and (prev is None or not self.supports_async):
-            raise ValueError("chunks with a pending token need the previous launched step (async scheduling: no "
-                             "speculative decoding, no Engram tables in host memory)")
-        self._finish.check(chunks)
+        speculate = bool(self.spec) if speculate is None else speculate
+        if speculate and not self.spec:
+            raise ValueError("a speculative step needs a runner with speculative decoding (speculative_config)")
+        if any(ch.pending_row >= 0 for ch in chunks) and (prev is None or not self.supports_async or speculate):
+            raise ValueError("chunks with a pending token need the previous launched step (async scheduling: plain "
+                             "steps only, no Engram tables in host memory)")
+        if not speculate and any(ch.num_draft for ch in chunks):
+            raise ValueError("a plain step verifies no drafts (speculate=True does)")
+        finish = self._speculate if speculate else self._sample
+        finish.check(chunks)
         with jax.profiler.TraceAnnotation("runner.build"):
             built = self._build(chunks)
-            return HostStep(built, self._finish.inputs(chunks, built, params, banned))
+            return HostStep(built, finish.inputs(chunks, built, params, banned))
 
     def execute(self, host: HostStep, prev: LaunchedStep | None = None, chunks: Sequence[SeqChunk] = ()
                 ) -> LaunchedStep:
         """Dispatch a planned step's programs (returns at once). `chunks`: the step's, for `collect`."""
-        before = self._finish.before_segments(host.finish)
+        finish = self._speculate if isinstance(host.finish, SpecHostInputs) else self._sample
+        before = finish.before_segments(host.finish)
         seg = self._segments(host.built, prev)
-        return LaunchedStep(list(chunks), seg, self._finish.after_segments(seg, host.finish, before))
+        return LaunchedStep(list(chunks), seg, finish.after_segments(seg, host.finish, before))
 
     def collect(self, launched: LaunchedStep) -> StepOutput | SpeculativeStepOutput:
         """Wait for a launched step's device work and read its outputs (one device->host copy)."""
         with jax.profiler.TraceAnnotation("runner.readback"):
             sampled, counts = jax.device_get((launched.sampled,
                                               launched.segments.expert_counts if self.expert_counts else None))
-        return self._finish.collect(launched, sampled, np.concatenate(counts) if counts is not None else None)
+        finish = self._speculate if isinstance(launched.sampled, SpecOutput) else self._sample
+        return finish.collect(launched, sampled, np.concatenate(counts) if counts is not None else None)
 
     def forward(self, chunks: Sequence[SeqChunk]) -> jax.Array:
         """Run the segments of one step; the logits [len(chunks), vocab] of each chunk's last row (device array)."""

@@ -244,7 +244,12 @@ def segment2(module, layout: CacheLayout, cache: KVCache, carry_buf: SegmentCarr
         # logit_row_R; a decode of one request: 2 rows, not max_num_seqs), zeros below.
         rows_R = kept.logit_row_R
         n = min(rows_R.shape[0], h_TD.shape[0])
-        logits = module.head(h_TD[rows_R[:n].reshape(-1)], jnp.float32).reshape(n, *rows_R.shape[1:], -1)
+        head = lambda rows: module.head(h_TD[rows.reshape(-1)], jnp.float32).reshape(*rows.shape, -1)  # noqa: E731
+        if rows_R.ndim == 1:
+            logits = head(rows_R[:n])
+        else:  # a step verifying no drafts (the engine's plain steps) has one row per request: the head runs once
+            logits = jax.lax.cond(jnp.any(rows_R[:n, -1] != rows_R[:n, 0]), lambda: head(rows_R[:n]),
+                                  lambda: jnp.broadcast_to(head(rows_R[:n, :1]), (n, *rows_R.shape[1:], c.vocab_size)))
         logits = jnp.pad(logits, ((0, rows_R.shape[0] - n),) + ((0, 0),) * (logits.ndim - 1))
     with jax.named_scope("prompt_logprobs"):  # the head on every kept row, only when a chunk asks
         rows = jax.lax.cond(jnp.any(kept.prompt_next_K >= 0),

@@ -10,6 +10,7 @@ the device between steps, per slot ([num_slots, B, V]), so they never cross to t
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -33,6 +34,7 @@ class SpecInputs(NamedTuple):
     floor_R: jax.Array  # replay_start: draft context rows below it are never read
     active_R: jax.Array  # the request samples this step
     block_table_RM: jax.Array
+    ban_rows_R: jax.Array  # the first this many verified rows may not emit the step's banned ids (min_tokens)
 
 
 class SpecOutput(NamedTuple):
@@ -58,7 +60,11 @@ def finish(module, layout: CacheLayout, spec: SpeculativeConfig, cache: KVCache,
     logits_RJV = logits_RJV[:R]
     _, J, V = logits_RJV.shape
     rep = lambda a: jnp.repeat(a, J, axis=0)  # noqa: E731  per row -> per verified row
-    logp, greedy = target_logprobs(logits_RJV.reshape(R * J, V), jax.tree.map(rep, p), max_top_k=max_top_k)
+    # a row emitting output min_tokens or earlier samples without the banned ids (EOS, stop ids), as plain decoding
+    p_rows = jax.tree.map(rep, p)
+    banning = jnp.tile(jnp.arange(J), R) < rep(s.ban_rows_R)
+    p_rows = dataclasses.replace(p_rows, banned_RB=jnp.where(banning[:, None], p_rows.banned_RB, -1))
+    logp, greedy = target_logprobs(logits_RJV.reshape(R * J, V), p_rows, max_top_k=max_top_k)
     greedy = greedy.reshape(R, J)[:, 0]
     K = J - 1
     method = spec.rejection_sample_method

@@ -38,7 +38,7 @@ METHODS = ("dspark",)
 REJECTION_METHODS = ("standard", "block", "synthetic")
 # vLLM keys this engine reads; others (enable_adaptive_verification, ...) are refused by name
 _KEYS = ("method", "num_speculative_tokens", "rejection_sample_method", "synthetic_acceptance_length",
-         "draft_sample_method")
+         "draft_sample_method", "adaptive")
 DRAFT_SAMPLE_METHODS = ("probabilistic", "greedy")
 
 
@@ -49,6 +49,10 @@ class SpeculativeConfig:
     rejection_sample_method: str = "standard"
     synthetic_acceptance_length: float | None = None  # synthetic: mean tokens emitted per verification step
     draft_sample_method: str = "probabilistic"  # sampled requests draft from softmax(draft logits / T); greedy: argmax
+    # each step verifies the k in 0..num_speculative_tokens measured to emit the most tokens per second at the
+    # batch's concurrency, k = 0 being a plain step (serving.engine.spec_policy); False: always
+    # num_speculative_tokens
+    adaptive: bool = True
 
     def __post_init__(self):
         for name, allowed in (("method", METHODS), ("rejection_sample_method", REJECTION_METHODS),
@@ -58,6 +62,8 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if k is not None and (not isinstance(k, int) or k < 1):
             raise ValueError(f"speculative_config num_speculative_tokens must be a positive integer, got {k!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative_config adaptive must be true or false, got {self.adaptive!r}")
         L = self.synthetic_acceptance_length
         if (self.rejection_sample_method == "synthetic") != (L is not None):
             raise ValueError("speculative_config synthetic_acceptance_length is given with, and only with, "

@@ -167,6 +167,7 @@ def test_synthetic_rate_gives_the_configured_acceptance_length():
     ('{"method": "dspark", "enable_adaptive_verification": true}', "enable_adaptive_verification"),
     ('{"method": "dspark", "rejection_sample_method": "synthetic"}', "synthetic_acceptance_length"),
     ('{"method": "dspark", "num_speculative_tokens": 0}', "positive integer"),
+    ('{"method": "dspark", "adaptive": "yes"}', "adaptive must be true or false"),
 ])
 def test_bad_speculative_config_is_refused_by_name(spec, message):
     with pytest.raises(ValueError, match=message):
@@ -182,7 +183,7 @@ def test_speculative_config_must_fit_the_checkpoint(model):
     assert SpeculativeConfig().resolve(model.config).num_speculative_tokens == 3
     assert RuntimeConfig(speculative_config={"method": "dspark", "num_speculative_tokens": 2}).speculative_config == \
         '{"method": "dspark", "num_speculative_tokens": 2, "rejection_sample_method": "standard", ' \
-        '"draft_sample_method": "probabilistic"}'
+        '"draft_sample_method": "probabilistic", "adaptive": true}'
 
 
 def test_served_rejection_sampling_matches_the_model_distribution():

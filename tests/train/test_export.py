@@ -55,3 +55,38 @@ def test_export_names_what_is_missing(tmp_path, capsys):
         assert "nowhere/model/config.json is missing" in str(e)
     else:
         raise AssertionError("no error")
+
+
+def test_drafter_only_replaces_the_dspark_tensors_and_keeps_every_other_byte(tmp_path):
+    """A drafter-only run (another random model standing in) spliced into a folder: its `mtp.*` tensors are those
+    of its own full export, every other tensor the folder's, byte for byte; and the trainer's `init_from` reads
+    such a folder back as float32 parameters (FP8 Engram rows decoded)."""
+    from dsv41.train.loop import _graph, checkpoint_params
+
+    run, data, _ = _fake_run(tmp_path)
+    export(run, tmp_path / "out", data, eval_windows_n=1, seq_len=128)
+    before = {n: np.array(e.read()) for n, e in open_checkpoint(tmp_path / "out").items()}
+    c = dsv41.load_config("nano")
+    other = dsv41.Model(c, random_params(c, abstract_params(c)[1], 2), token_map=dsv41.load(nano.NANO_DIR).token_map)
+    (tmp_path / "run2").mkdir()
+    other.save_converted(tmp_path / "run2" / "model")
+    for name in ("tokenizer.json", "tokenizer_config.json", "../results.json"):
+        (tmp_path / "run2" / "model" / name).write_bytes((run / "model" / name).read_bytes())
+    export(tmp_path / "run2", tmp_path / "alone", data, eval_windows_n=1, seq_len=128)
+    main([str(tmp_path / "run2"), "--out", str(tmp_path / "out"), "--data", str(data), "--drafter-only",
+          "--eval-windows", "1"])
+    after, alone = open_checkpoint(tmp_path / "out"), open_checkpoint(tmp_path / "alone")
+    mtp = [n for n in after if n.startswith("mtp.")]
+    assert mtp and all(np.array_equal(after[n].read(), alone[n].read()) for n in mtp)
+    assert not all(np.array_equal(before[n], alone[n].read()) for n in mtp)  # the drafter did change
+    assert all(np.array_equal(after[n].read(), before[n]) for n in after if not n.startswith("mtp."))
+    report = json.loads((tmp_path / "out" / "export.json").read_text())
+    assert report["drafter"]["replaced_tensors"] == len(mtp) and report["drafter"]["run"] == "run2"
+    assert not (tmp_path / "out.drafter-export").exists()
+    _, paths, abstract = _graph(c)
+    params = checkpoint_params(str(tmp_path / "out"), c, {paths[k]: v for k, v in abstract.items()})
+    decoded = dsv41.load(tmp_path / "out", weights="dequantize").params
+    path = ("layers", 3, "attn", "wo_b", "weight")
+    assert params[path].dtype == np.float32 and np.array_equal(params[path], np.asarray(decoded[path], np.float32))
+    table = next(p for p in params if "engram" in p and p[-2:] == ("embed", "weight"))
+    assert params[table].dtype == np.float32 and np.abs(params[table]).max() > 0

@@ -209,7 +209,7 @@ def test_randomized_runs_keep_the_invariants():
     assert sum(c > 0 for c in cuts) > 10  # the fit did cut, and the invariants held through it
 
 
-def test_drafts_fit_the_token_budget_the_output_limit_and_min_tokens():
+def test_drafts_fit_the_token_budget_the_output_limit_and_the_step_k():
     s = _sched(max_num_batched_tokens=8)
     a, b = _req("a", 4), _req("b", 4, seed=1)
     b.params = SamplingParams(temperature=0, max_tokens=3, stop_token_ids=(21,))
@@ -229,4 +229,11 @@ def test_drafts_fit_the_token_budget_the_output_limit_and_min_tokens():
     s.add(c)
     _finish_step(s, s.schedule())
     c.draft_ids = [1, 2]
-    assert s.schedule()[0].num_draft == 0  # EOS is banned for the next rows: no drafts until min_tokens are out
+    # min_tokens does not stop drafts (their rows are verified under the ban: test_spec_engine.py); a step's k does
+    assert s.schedule()[0].num_draft == 2
+    s.remove(c)
+    d = _req("d", 4, seed=3)
+    s.add(d)
+    _finish_step(s, s.schedule())
+    d.draft_ids = [1, 2, 3]
+    assert s.schedule(max_drafts=1)[0].num_draft == 1

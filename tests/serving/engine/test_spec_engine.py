@@ -17,7 +17,8 @@ from serving.text.tokenizer import Tokenizer
 from tests.serving.engine.test_engine import _prompt, _serve
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
-SPEC = '{"method": "dspark"}'
+SPEC = '{"method": "dspark"}'  # adaptive: the policy mixes plain steps (k = 0) and verifying ones
+EVERY_STEP = '{"method": "dspark", "adaptive": false}'  # every step verifies up to 5 drafts
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +58,10 @@ def test_greedy_speculative_equals_plain_alone_batched_preempted(model, replay):
     assert spec.scheduler.num_free_blocks == spec.scheduler.num_blocks
     drafts = _metric(spec, "vllm:spec_decode_num_drafts_total")
     assert drafts > 0 and _metric(spec, "vllm:spec_decode_num_draft_tokens_total") <= 3 * drafts
+    # the policy tried plain steps and verifying ones (both were measured; the outputs above are the plain ones)
+    steps = [_metric_label(spec, "dsv41:spec_decode_steps_total", f'k="{k}"')
+             for k in range(spec.spec.num_speculative_tokens + 1)]
+    assert steps[0] > 0 and all(n > 0 for n in steps[1:3]), steps
     # a prefix hit: the second request replays the shared prefix's last window and rebuilds its draft context
     shared, short = _prompt(9, 66), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     for eng in (plain, spec):
@@ -85,7 +90,7 @@ def nano():
     # one step size: four programs fewer to compile (13 s of the suite from a cold cache)
     kw = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, token_buckets=(32,))
     plain = Engine(model, tok, EngineArgs.of(**kw), progress=False)
-    spec = Engine(model, tok, EngineArgs.of(**kw, speculative_config=SPEC), progress=False)
+    spec = Engine(model, tok, EngineArgs.of(**kw, speculative_config=EVERY_STEP), progress=False)
     prompts = [tok.encode(t) for t in ("Anne was", "It is a truth universally acknowledged", "Mr. Darcy said that",
                                        "The morning was fine, and")]
     return plain, spec, prompts
@@ -101,6 +106,26 @@ def test_nano_greedy_speculative_equals_plain_with_accepted_drafts(nano):
     assert accepted > 0, "the trained drafter's first position is accepted about 40% of the time"
     per_pos = [_metric_pos(spec, i) for i in range(5)]
     assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
+
+
+def test_nano_min_tokens_verifies_drafts_under_the_ban(nano):
+    """While min_tokens bans the stop ids, drafts are still verified - against the banned distribution in the rows
+    that emit those outputs, the plain one after them - and the outputs are the plain engine's: the most frequent
+    token of each plain output, made a stop id, is never emitted before min_tokens and ends the request after."""
+    plain, spec, prompts = nano
+    free = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    firsts = _serve(plain, prompts, free)[0]
+    stop_ids = [max(set(out), key=out.count) for out in firsts]
+    drafts_before = _metric(spec, "vllm:spec_decode_num_draft_tokens_total")
+    got = []
+    for eng in (plain, spec):
+        outs = [_serve(eng, [p], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, min_tokens=12,
+                                                stop_token_ids=[t]))[0][0] for p, t in zip(prompts, stop_ids)]
+        got.append(outs)
+    assert got[1] == got[0]
+    assert any(t in out[:12] for out, t in zip(firsts, stop_ids)), "some stop id falls inside min_tokens when free"
+    assert all(t not in out[:12] for out, t in zip(got[0], stop_ids))
+    assert _metric(spec, "vllm:spec_decode_num_draft_tokens_total") > drafts_before
 
 
 def test_nano_stop_strings_inside_speculative_steps_give_the_plain_outputs(nano, monkeypatch):
@@ -137,10 +162,14 @@ def test_nano_stop_strings_inside_speculative_steps_give_the_plain_outputs(nano,
 
 
 def _metric_pos(engine, i):
+    return _metric_label(engine, "vllm:spec_decode_num_accepted_tokens_per_pos_total", f'position="{i}"')
+
+
+def _metric_label(engine, name, label):
     for line in engine.metrics.render().decode().splitlines():
-        if line.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total") and f'position="{i}"' in line:
+        if line.startswith(name + "{") and label in line:
             return float(line.rsplit(" ", 1)[1])
-    raise AssertionError("per-position acceptance not exported")
+    raise AssertionError(f"{name}{{{label}}} not exported")
 
 
 def test_top_logprobs_are_computed_when_asked_with_and_without_speculation(model):
