@@ -154,6 +154,22 @@ def splice_drafter(exported: Path, out: Path) -> dict:
     return {"replaced_tensors": replaced, "kept_tensors": len(old) - replaced}
 
 
+def export_drafter(run: Path, out: Path, data: Path, *, eval_windows_n: int = 8, seq_len: int = 1024) -> dict:
+    """`--drafter-only`: the run exported and checked beside `out`, then its DSpark tensors spliced into `out`;
+    returns export.json's new "drafter" entry."""
+    staging = out.with_name(out.name + ".drafter-export")
+    report = export(run, staging, data, eval_windows_n=eval_windows_n, seq_len=seq_len)
+    spliced = splice_drafter(staging, out)
+    shutil.rmtree(staging)
+    export_json = out / "export.json"
+    full = json.loads(export_json.read_text())
+    full["drafter"] = {"run": run.name, "exported": time.strftime("%Y-%m-%d"), **spliced,
+                       "check_release_vs_quantized_params": report["check_release_vs_quantized_params"],
+                       "training": report["training"]}
+    export_json.write_text(json.dumps(full, indent=1) + "\n")
+    return full["drafter"]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m dsv41.train.export", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -168,20 +184,10 @@ def main(argv: list[str] | None = None) -> None:
         if not need.is_file():
             raise SystemExit(f"error: {need} is missing (train with `python -m dsv41.train`, data with "
                              "`python -m dsv41.train.data`)")
-    if not a.drafter_only:
+    if a.drafter_only:
+        print(json.dumps(export_drafter(a.run, a.out, a.data, eval_windows_n=a.eval_windows), indent=1))
+    else:
         print(json.dumps(export(a.run, a.out, a.data, eval_windows_n=a.eval_windows), indent=1))
-        return
-    staging = a.out.with_name(a.out.name + ".drafter-export")
-    report = export(a.run, staging, a.data, eval_windows_n=a.eval_windows)
-    spliced = splice_drafter(staging, a.out)
-    shutil.rmtree(staging)
-    export_json = a.out / "export.json"
-    full = json.loads(export_json.read_text())
-    full["drafter"] = {"run": a.run.name, "exported": time.strftime("%Y-%m-%d"), **spliced,
-                       "check_release_vs_quantized_params": report["check_release_vs_quantized_params"],
-                       "training": report["training"]}
-    export_json.write_text(json.dumps(full, indent=1) + "\n")
-    print(json.dumps(full["drafter"], indent=1))
 
 
 if __name__ == "__main__":
