@@ -20,8 +20,8 @@ limit is known in advance (no row follows the last token); any other finish (EOS
 the row already dispatched, and the blocks the request frees are only reused by steps after it (the device runs
 steps in order). Outputs are the same as step by step. V4.1's Engram hash ids of such a row are
 finished on the device from the host's look-back (`dsv41.layers.engram`). On a mesh every rank reads the replicated
-sampled tokens by global row. It needs no speculative decoding, EPLB or Engram tables in host memory (their rows are
-gathered by the host); elsewhere steps go one at a time.
+sampled tokens by global row. It needs no EPLB or Engram tables in host memory (their rows are gathered by the host;
+elsewhere steps go one at a time), and with speculative decoding it takes the plain steps only.
 
 Speculative decoding (`--speculative-config`): before each step the speculation policy
 (`serving.engine.spec_policy`) picks how many drafts it verifies per request, k in 0..num_speculative_tokens, from

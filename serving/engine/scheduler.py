@@ -56,8 +56,9 @@ class SchedulerConfig:
         "help": "reuse the KV of cached full-block prompt prefixes"})
     async_scheduling: bool = field(default=True, metadata={
         "help": "schedule and dispatch each step before the previous one's tokens reach the host (its decode rows "
-                "read them on the device), so the host's work between steps overlaps the device's; one device "
-                "without speculative decoding, Engram or EPLB (elsewhere steps are scheduled one at a time)"})
+                "read them on the device), so the host's work between steps overlaps the device's; not with Engram "
+                "tables in host memory or EPLB (steps are scheduled one at a time there), and with speculative "
+                "decoding for its plain steps (k = 0)"})
     dp_routing_policy: str = field(default="sticky", metadata={
         "choices": ROUTING_POLICIES, "help": "data-parallel ranks: keep a session (X-Session-ID, else its prompt's "
                                              "first tokens) on the rank holding its prefix cache unless saturated "
