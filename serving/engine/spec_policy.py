@@ -26,16 +26,10 @@ from dataclasses import dataclass, field
 
 
 @dataclass
-class _Arm:
-    rate: float | None = None  # output tokens per second per request, exponentially averaged over blocks
-    blocks: int = 0  # blocks measured
-
-
-@dataclass
 class _Concurrency:
     """One concurrency bucket's measurements and its block in progress."""
 
-    arms: list[_Arm]
+    rates: list[float | None]  # per arm k: output tokens per second per request, averaged over blocks (None: untried)
     flips: int = 0  # re-tries so far (they take plain and the neighbours in turn)
     wait: int = 0  # blocks until the next re-try
     backoff: int = 0  # blocks between re-tries now
@@ -74,7 +68,7 @@ class SpeculationPolicy:
         elif c.retried:
             c.backoff = self.explore_every
         c.retried = False
-        untried = [k for k, a in enumerate(c.arms) if a.rate is None]
+        untried = [k for k, r in enumerate(c.rates) if r is None]
         if untried:
             arm = untried[0]
             c.backoff = c.wait = self.explore_every
@@ -90,11 +84,11 @@ class SpeculationPolicy:
     def best(self, running: int) -> int:
         """The arm with the highest measured rate at this concurrency, a k >= 1 only `margin` above plain (0 while any
         is unmeasured)."""
-        arms = self._at(running).arms
-        if any(a.rate is None for a in arms):
+        rates = self._at(running).rates
+        if None in rates:
             return 0
-        k = max(range(1, len(arms)), key=lambda k: arms[k].rate)
-        return k if arms[k].rate > self.margin * arms[0].rate else 0
+        k = max(range(1, len(rates)), key=lambda k: rates[k])
+        return k if rates[k] > self.margin * rates[0] else 0
 
     def record(self, k: int, running: int, tokens: int, seconds: float) -> None:
         """A step of `running` requests verifying up to `k` drafts each emitted `tokens` in `seconds` (the time since
@@ -108,21 +102,20 @@ class SpeculationPolicy:
 
     def rates(self) -> dict[int, list[float | None]]:
         """Each concurrency bucket's measured output tokens per second per request, per arm k (None: not yet)."""
-        return {b: [a.rate for a in c.arms] for b, c in sorted(self._by_bucket.items())}
+        return {b: list(c.rates) for b, c in sorted(self._by_bucket.items())}
 
     def _close(self, c: _Concurrency) -> None:
         """The block that ended goes into its arm's average (a block that saw no counted step does not)."""
         if c.seconds <= 0:
             return
-        a, rate = c.arms[c.arm], c.tokens / c.seconds
-        a.rate = rate if a.rate is None else (1 - self.smoothing) * a.rate + self.smoothing * rate
-        a.blocks += 1
+        old, rate = c.rates[c.arm], c.tokens / c.seconds
+        c.rates[c.arm] = rate if old is None else (1 - self.smoothing) * old + self.smoothing * rate
         c.tokens = c.seconds = 0.0
 
     def _at(self, running: int) -> _Concurrency:
         b = _bucket(running)
         if b not in self._by_bucket:
-            self._by_bucket[b] = _Concurrency([_Arm() for _ in range(self.max_k + 1)])
+            self._by_bucket[b] = _Concurrency([None] * (self.max_k + 1))
         return self._by_bucket[b]
 
 
