@@ -274,7 +274,8 @@ class Engine:
             finishes[-1] = self.scheduler.postprocess(s, toks, None if step.pending is None else step.pending[i],
                                                       stop)
         if self.spec_policy is not None and step.decode and last is not None:
-            self.spec_policy.record(step.k, len(step.sched), emitted, collected - last)
+            self.spec_policy.record(step.k, len(step.sched), emitted, collected - last,
+                                    verified=any(s.num_draft for s in step.sched))
         return out, before, finishes, now
 
     def _outputs(self, sched: list[Scheduled], out: StepOutput | SpeculativeStepOutput, before: list[int],

@@ -1,43 +1,57 @@
-"""How many drafts each speculative step verifies: the k in 0..num_speculative_tokens that has emitted the most tokens
-per second at the batch's concurrency, measured on the running engine.
+"""How many drafts each speculative step verifies: the k in 0..num_speculative_tokens expected to emit the most tokens
+per second at the batch's concurrency, from what the running engine has measured.
 
 What speculation earns depends on what a step of 1 + k rows per request costs against a plain step, on this machine,
 at this batch size, and on how often the drafts are accepted - none of which is known before serving: on a 2-core
-CPU verifying rows costs nearly what they earn (docs/benchmarks/spec-decode.md), while a lone request on a GPU is
+CPU verifying rows costs more than they earn (docs/benchmarks/spec-decode.md), while a lone request on a GPU is
 bound by the weight reads that a verification shares. So the engine measures. Each "arm" k is a way to run steps:
 k = 0 is the plain step (the sampler, async scheduling kept), k >= 1 verifies up to k drafts per request and drafts
-the next block (one step at a time). An arm holds for a block of `block_steps` steps, measured together: its decode
-steps (a step with a prefill chunk would make the block's rate depend on where the prompts arrived, not on k),
-the switch into it included (a first speculative step verifies nothing: no request has drafts yet; a first plain
-step after speculative ones is not overlapped with the one before), as output tokens per second per request (a
-concurrency bucket spans up to twice as many requests from one block to another). For each concurrency (running
-requests, to a power of two) the policy tries every arm for one block, plain first, then plays the best - a k >= 1
-only when it beats plain by `margin` (what its prefill steps cost, one at a time, is not in its rate) - and re-tries
-plain or a neighbour of the best (k - 1 or k + 1: nearest, cheapest to try, and where the best moves first), in
-turn, so a drafter that starts to be accepted (or stops) moves the choice. A re-try that does not move the choice
-doubles the wait before the next (from `explore_every` blocks): where speculation loses by far (a 2-core CPU, where
-a verifying step costs ~3 plain ones) the re-tries fade to a small fraction of the steps. Each arm's rate is an
-exponential average of its blocks.
+the next block (one step at a time).
+
+An arm's speed at a concurrency (running requests, to a power of two), relative to plain decoding's there = its
+tokens per request per step / its step time relative to a plain step's:
+  - relative step time: the median, over its last `window` decode steps at that concurrency, of each step's seconds
+    over the median of the plain steps there before it (the last `window`). A step with a prefill chunk depends on
+    where prompts arrived, not on k, and is not counted; medians, because single steps on a shared CPU stall now and
+    then; and each step against the plain steps just before it, because a shared machine also runs for seconds at a
+    time at half its speed, which would decide between arms measured at different times;
+  - tokens per request per step: the mean over its last steps that verified drafts, at any concurrency (acceptance
+    is the drafter's and the text's, not the batch's); 1 for plain steps. A first speculative step after plain ones
+    verifies nothing (no request has drafts yet) and is not counted.
+An arm holds for a block of `block_steps` steps. For each concurrency the policy plays plain first, then tries each
+k >= 1 that might beat plain there by `margin` - its measured tokens per step (1 + k before any) over its relative
+step time at the nearest lower concurrency where that is measured (1 if none: more rows per step only make
+verification relatively dearer) - then plays the fastest: a k >= 1 only at `margin` times plain's speed (what its
+prefill steps cost, one at a time, is not in it). It re-tries plain or a neighbour of the best (k - 1 or k + 1:
+nearest, cheapest to try, and where the best moves first), in turn, so a drafter that starts to be accepted (or
+stops) moves the choice. A re-try waits `explore_every` blocks, doubled after each re-try that did not move the
+choice (up to `max_wait`), and at least until what it loses against the best - measured: a block of an arm at half
+the best's speed loses one block - is `explore_budget` of the blocks since the last: where speculation loses by far
+(a 2-core CPU, where a verifying step costs ~3 plain ones) the re-tries take ~1% of the time.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 
 @dataclass
 class _Concurrency:
-    """One concurrency bucket's measurements and its block in progress."""
+    """One concurrency bucket's step times and its block in progress."""
 
-    rates: list[float | None]  # per arm k: output tokens per second per request, averaged over blocks (None: untried)
+    plain: deque[float]  # the last plain decode steps' seconds at this concurrency
+    relative: list[deque[float]]  # per arm k >= 1: its last steps' seconds / the plain median at the time
     flips: int = 0  # re-tries so far (they take plain and the neighbours in turn)
-    wait: int = 0  # blocks until the next re-try
-    backoff: int = 0  # blocks between re-tries now
+    since: int = 0  # blocks since the last trial or re-try
+    backoff: int = 0  # blocks between re-tries at least, now
     retried: bool = False  # the block in progress is a re-try
-    arm: int = 0  # the block in progress: its arm, steps left, tokens per request and seconds so far
+    best_before: int = 0  # the best arm when the block in progress began
+    tried: set[int] = field(default_factory=set)  # arms given a trial block here (a block may count too few steps
+    # to measure: requests ending or arriving move steps to other concurrencies; re-tries measure them then)
+    arm: int = 0  # the block in progress: its arm and steps left
     left: int = 0
-    tokens: float = 0.0
-    seconds: float = 0.0
 
 
 @dataclass
@@ -46,76 +60,127 @@ class SpeculationPolicy:
 
     max_k: int
     adaptive: bool = True
-    block_steps: int = 8  # steps an arm holds, measured together
+    block_steps: int = 8  # steps an arm holds
     explore_every: int = 16  # blocks before the first re-try (plain or a neighbour of the best arm, in turn)
-    max_wait: int = 1024  # the most blocks between two re-tries
+    max_wait: int = 1024  # the most blocks a fruitless re-try doubles the wait to
+    explore_budget: float = 0.01  # a re-try waits until its measured loss against the best is this share of the blocks
     margin: float = 1.25  # a k >= 1 plays only at this many times plain decoding's rate
-    smoothing: float = 0.5  # weight of a new block's rate in its arm's average
+    window: int = 16  # steps kept per arm and concurrency
+    token_window: int = 64  # verifying steps kept per arm for its tokens per step
+    min_steps: int = 4  # an arm's rate at a concurrency needs this many of its steps there
     _by_bucket: dict[int, _Concurrency] = field(default_factory=dict)
+    _tokens: list[deque[float]] = field(default_factory=list)  # per arm k >= 1: tokens per request of its steps
+
+    def __post_init__(self):
+        self._tokens = [deque(maxlen=self.token_window) for _ in range(self.max_k + 1)]
 
     def choose(self, running: int) -> int:
         """The k of the next step of a batch of `running` requests."""
         if not self.adaptive or self.max_k == 0:
             return self.max_k
-        c = self._at(running)
+        b = _bucket(running)
+        c = self._at(b)
         if c.left:
             c.left -= 1
             return c.arm
-        before = self.best(running) if c.retried else None
-        self._close(c)
-        if c.retried and self.best(running) == before:  # the re-try did not move the choice: wait longer
+        best = self._best(b)
+        if c.retried and best == c.best_before:  # the re-try did not move the choice: wait longer
             c.backoff = min(2 * c.backoff, self.max_wait)
         elif c.retried:
             c.backoff = self.explore_every
         c.retried = False
-        untried = [k for k, r in enumerate(c.rates) if r is None]
-        if untried:
-            arm = untried[0]
-            c.backoff = c.wait = self.explore_every
+        trials = [k for k in range(self.max_k + 1) if self._worth_a_trial(b, k)]
+        if trials:
+            arm, c.backoff, c.since = trials[0], self.explore_every, 0
+            c.tried.add(arm)
         else:
-            arm = self.best(running)
-            c.wait -= 1
-            if c.wait <= 0:
-                others = sorted({k for k in (0, arm - 1, arm + 1) if 0 <= k <= self.max_k and k != arm})
-                arm, c.flips, c.retried, c.wait = others[c.flips % len(others)], c.flips + 1, True, c.backoff
-        c.arm, c.left, c.tokens, c.seconds = arm, self.block_steps - 1, 0.0, 0.0
+            arm, c.since = best, c.since + 1
+            others = sorted({k for k in (0, best - 1, best + 1) if 0 <= k <= self.max_k and k != best})
+            retry = others[c.flips % len(others)]
+            if c.since >= c.backoff and c.since * self.explore_budget >= self._loss(b, best, retry):
+                arm, c.flips, c.retried, c.since = retry, c.flips + 1, True, 0
+        c.best_before, c.arm, c.left = best, arm, self.block_steps - 1
         return arm
 
     def best(self, running: int) -> int:
-        """The arm with the highest measured rate at this concurrency, a k >= 1 only `margin` above plain (0 while any
-        is unmeasured)."""
-        rates = self._at(running).rates
-        if None in rates:
-            return 0
-        k = max(range(1, len(rates)), key=lambda k: rates[k])
-        return k if rates[k] > self.margin * rates[0] else 0
+        """The arm measured fastest at this concurrency, a k >= 1 only at `margin` times plain's speed or more."""
+        return self._best(_bucket(running))
 
-    def record(self, k: int, running: int, tokens: int, seconds: float) -> None:
-        """A step of `running` requests verifying up to `k` drafts each emitted `tokens` in `seconds` (the time since
-        the step before it was collected); counted in the block in progress at that concurrency if it is k's."""
-        if not self.adaptive or seconds <= 0 or running <= 0:
+    def record(self, k: int, running: int, tokens: int, seconds: float, verified: bool = True) -> None:
+        """A decode step of `running` requests verifying up to `k` drafts each emitted `tokens` in `seconds` (the time
+        since the step before it was collected); `verified`: whether any of its requests had drafts to verify."""
+        if not self.adaptive or seconds <= 0 or running <= 0 or (k and not verified):
             return
-        c = self._at(running)
-        if c.arm == k:
-            c.tokens += tokens / running
-            c.seconds += seconds
+        c = self._at(_bucket(running))
+        if not k:
+            c.plain.append(seconds)
+            return
+        self._tokens[k].append(tokens / running)
+        if len(c.plain) >= self.min_steps:
+            c.relative[k].append(seconds / statistics.median(c.plain))
 
     def rates(self) -> dict[int, list[float | None]]:
-        """Each concurrency bucket's measured output tokens per second per request, per arm k (None: not yet)."""
-        return {b: list(c.rates) for b, c in sorted(self._by_bucket.items())}
+        """Each concurrency bucket's output tokens per second per request, per arm k (None: not measured yet): plain's
+        measured, the others' as their speed relative to it."""
+        out = {}
+        for b, c in sorted(self._by_bucket.items()):
+            plain = 1 / statistics.median(c.plain) if len(c.plain) >= self.min_steps else None
+            out[b] = [plain] + [None if plain is None or (x := self._speed(b, k)) is None else x * plain
+                                for k in range(1, self.max_k + 1)]
+        return out
 
-    def _close(self, c: _Concurrency) -> None:
-        """The block that ended goes into its arm's average (a block that saw no counted step does not)."""
-        if c.seconds <= 0:
-            return
-        old, rate = c.rates[c.arm], c.tokens / c.seconds
-        c.rates[c.arm] = rate if old is None else (1 - self.smoothing) * old + self.smoothing * rate
-        c.tokens = c.seconds = 0.0
+    # ------------------------------------------------------------------ estimates
+    def _tokens_per_step(self, k: int) -> float | None:
+        t = self._tokens[k]
+        return sum(t) / len(t) if len(t) >= self.min_steps else None
 
-    def _at(self, running: int) -> _Concurrency:
-        b = _bucket(running)
+    def _step_ratio(self, b: int, k: int) -> float | None:
+        """Arm k's step time over plain's at this concurrency (None: fewer than min_steps measured)."""
+        r = self._at(b).relative[k]
+        return statistics.median(r) if len(r) >= self.min_steps else None
+
+    def _speed(self, b: int, k: int) -> float | None:
+        """Arm k's tokens per second relative to plain decoding's at this concurrency."""
+        tokens, ratio = self._tokens_per_step(k), self._step_ratio(b, k)
+        return None if tokens is None or ratio is None else tokens / ratio
+
+    def _best(self, b: int) -> int:
+        speeds = {k: x for k in range(1, self.max_k + 1) if (x := self._speed(b, k)) is not None}
+        k = max(speeds, key=speeds.get, default=0)
+        return k if k and speeds[k] > self.margin else 0
+
+    def _loss(self, b: int, best: int, arm: int) -> float:
+        """What a block of `arm` loses against a block of `best`, in blocks, by their speeds here or, unmeasured here,
+        their optimistic estimates (0 where there is none)."""
+        speed = {k: self._estimate(b, k) for k in (best, arm)}
+        return 0.0 if None in speed.values() else max(speed[best] / speed[arm] - 1, 0.0)
+
+    def _estimate(self, b: int, k: int) -> float | None:
+        """Arm k's speed relative to plain here: measured, or at most its tokens per step (1 + k before any are
+        measured) over its relative step time at the nearest lower concurrency where that is measured."""
+        if k == 0:
+            return 1.0
+        if (speed := self._speed(b, k)) is not None:
+            return speed
+        for lower in sorted((x for x in self._by_bucket if x < b), reverse=True):
+            if (r := self._step_ratio(lower, k)) is not None:
+                return (self._tokens_per_step(k) or 1.0 + k) / r
+        return None
+
+    def _worth_a_trial(self, b: int, k: int) -> bool:
+        """Whether arm k might beat plain by the margin here and is untried (plain: whether it is untried)."""
+        c = self._at(b)
+        if len(c.plain) < self.min_steps:
+            return k == 0 and k not in c.tried
+        if k == 0 or k in c.tried or self._step_ratio(b, k) is not None:
+            return False
+        estimate = self._estimate(b, k)
+        return estimate is None or estimate > self.margin
+
+    def _at(self, b: int) -> _Concurrency:
         if b not in self._by_bucket:
-            self._by_bucket[b] = _Concurrency([None] * (self.max_k + 1))
+            self._by_bucket[b] = _Concurrency(deque(maxlen=self.window),
+                                              [deque(maxlen=self.window) for _ in range(self.max_k + 1)])
         return self._by_bucket[b]
 
 

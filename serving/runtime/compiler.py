@@ -271,17 +271,24 @@ class StepCompiler:
         if p is Program.SEGMENT1:
             return (*state, self._batch_spec(self.builder.example(n, n).segment1()), *self.constant_specs)
         if p is Program.SEGMENT2:
-            return (*state, self._batch_spec(self.builder.example(n, n).segment2()))
+            verify = (self.verify_logits_spec,) if self.spec else ()
+            return (*state, self._batch_spec(self.builder.example(n, n).segment2()), *verify)
         if p is Program.SAMPLE:
             R = self.ranks * self.rc.max_num_seqs
-            rows = (R, self.verify_rows) if self.spec else (R,)  # speculative: the segments' [R, J, V] logits
-            return jax.ShapeDtypeStruct((*rows, self.config.vocab_size), jnp.float32), sampling_arrays([], [], R, 0)
+            return jax.ShapeDtypeStruct((R, self.config.vocab_size), jnp.float32), sampling_arrays([], [], R, 0)
         s = self.builder.spec_inputs([], self.builder.example(1, 1), n)
         if p is Program.SPEC_SNAPSHOT:
             return self.cache_spec, s
         snap = jax.eval_shape(self.programs.spec_snapshot, self.cache_spec, s)
-        logits = jax.ShapeDtypeStruct((self.rc.max_num_seqs, self.verify_rows, self.config.vocab_size), jnp.float32)
+        logits = (jax.ShapeDtypeStruct((self.rc.max_num_seqs, self.config.vocab_size), jnp.float32),
+                  self.verify_logits_spec)
         return (*state, snap, self.q_buf_spec, logits, s, sampling_arrays([], [], n, 0))
+
+    @property
+    def verify_logits_spec(self) -> jax.ShapeDtypeStruct:
+        """Speculative decoding: the logits of each request's verified rows after its first [slots, J - 1, V],
+        written by segment 2 only in steps that verify drafts (`segments.segment2`)."""
+        return jax.ShapeDtypeStruct((self.rc.max_num_seqs, self.verify_rows - 1, self.config.vocab_size), jnp.float32)
 
     @property
     def q_buf_spec(self) -> jax.ShapeDtypeStruct:

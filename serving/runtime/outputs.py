@@ -46,7 +46,8 @@ class SegmentsOnDevice(NamedTuple):
     """Both segments of one step, on the devices (nothing read back yet)."""
 
     kept: KeptRows  # segment 2's host rows (rank-stacked)
-    logits: jax.Array  # [ranks x max_num_seqs, V] (speculative: [max_num_seqs, J, V])
+    logits: jax.Array  # [ranks x max_num_seqs, V] (speculative: each request's verified row 0)
+    verify_logits: jax.Array | None  # speculative: its verified rows 1 .. J - 1 [max_num_seqs, J - 1, V]
     prompt_logprobs: tuple  # segment 2's per-row logprobs (read where a chunk asks)
     expert_counts: tuple  # the two segments' [L, E] counts (None when off)
     rows: np.ndarray  # each chunk's logits row

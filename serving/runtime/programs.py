@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from serving.runtime import segments, spec_step
@@ -69,11 +70,12 @@ class StepPrograms:
     """One jitted function per program family (not compiled: `StepCompiler` compiles their buckets). Arguments:
 
     segment1       (graph, leaves, cache, carry, PackedBatch, prev tokens [, Engram terms]) -> (cache, carry, counts)
-    segment2       (graph, leaves, cache, carry, PackedBatch) -> (cache, logits, prompt logprobs, counts)
+    segment2       (graph, leaves, cache, carry, PackedBatch [, verify logits]) -> (cache, logits, prompt logprobs,
+                   counts); speculative: the logits a pair (row 0 [S, V], the donated verify logits [S, J - 1, V])
     samplers[n]    (logits, SamplingArrays) -> Sampled
     spec_snapshot  (cache, SpecInputs) -> CacheSites
-    spec_finish    (graph, leaves, cache, carry, CacheSites, draft distributions, logits, SpecInputs,
-                    SamplingArrays) -> (cache, draft distributions, SpecOutput)
+    spec_finish    (graph, leaves, cache, carry, CacheSites, draft distributions, (logits row 0, verify logits),
+                    SpecInputs, SamplingArrays) -> (cache, draft distributions, SpecOutput)
     `graph` (a `ModelGraph`) is static: a bucket is traced for the kernels its graph names (the MoE small-step forms
     tuned for its rows), and its executable takes the other arguments. The cache (and segment 1's carry, the
     speculative finish's draft distributions) is donated."""
@@ -121,12 +123,14 @@ def build_programs(layout: CacheLayout, rc: RuntimeConfig, *, param_specs: list[
         prev = () if prev_tokens is None else (prev_tokens,) if engram_terms is None else (prev_tokens, engram_terms)
         return per_rank(rank, ("cache", "rows", "sum"))(leaves, cache, carry_buf, b, *prev)
 
-    def segment2(graph, leaves, cache, carry_buf, b):
-        def rank(leaves, cache, carry_buf, b):
+    def segment2(graph, leaves, cache, carry_buf, b, verify_buf=None):
+        def rank(leaves, cache, carry_buf, b, verify_buf=None):
             with jax.named_scope("segment2"):
-                return segments.segment2(graph.merge(leaves), layout, cache, carry_buf, unpacked(b), **kw)
+                return segments.segment2(graph.merge(leaves), layout, cache, carry_buf, unpacked(b),
+                                         verify_buf=verify_buf, **kw)
 
-        return per_rank(rank, ("cache", "rows", "rows", "sum"))(leaves, cache, carry_buf, b)
+        extra = () if verify_buf is None else (verify_buf,)  # speculative decoding: one device (no mesh)
+        return per_rank(rank, ("cache", "rows", "rows", "sum"))(leaves, cache, carry_buf, b, *extra)
 
     samplers = {n: _sampler(n, ranks, rc.max_top_k) for n in sample_rows_per_rank}
     if placement:
@@ -151,10 +155,14 @@ def build_programs(layout: CacheLayout, rc: RuntimeConfig, *, param_specs: list[
         return spec_step.snapshot(layout, verify_rows, cache, s)
 
     def speculative(graph, leaves, cache, carry_buf, snap, q_buf, logits, s, p):
-        return spec_step.finish(graph.merge(leaves), layout, spec, cache, carry_buf.tails, snap, q_buf, logits, s, p,
-                                max_top_k=rc.max_top_k, fake_quant=rc.fake_quant)
+        first_SV, rest_SJV = logits
+        logits_SJV = jnp.concatenate([first_SV[:, None], rest_SJV], axis=1)
+        return spec_step.finish(graph.merge(leaves), layout, spec, cache, carry_buf.tails, snap, q_buf, logits_SJV, s,
+                                p, max_top_k=rc.max_top_k, fake_quant=rc.fake_quant)
 
-    return StepPrograms(programs.segment1, programs.segment2, programs.samplers,
+    return StepPrograms(programs.segment1,
+                        jax.jit(_named(segment2, "segment2"), static_argnums=0, donate_argnums=(2, 5)),
+                        programs.samplers,
                         spec_snapshot=jax.jit(_named(snapshot, "spec_snapshot")),
                         spec_finish=jax.jit(_named(speculative, "speculative"), static_argnums=0,
                                             donate_argnums=(2, 5)))
@@ -162,9 +170,8 @@ def build_programs(layout: CacheLayout, rc: RuntimeConfig, *, param_specs: list[
 
 def _sampler(rows: int, ranks: int, max_top_k: int):
     """`sample_rows` on `rows` requests per rank, named `sample` (`jit_sample` in profiles). A speculative runner's
-    segments give [R, J, V] logits: a plain step's chunks verify no drafts, so their row 0 is their last row."""
-    def sample(logits, p):
-        logits_RV = logits[:, 0] if logits.ndim == 3 else logits
+    plain steps sample its segments' row-0 logits: their chunks verify no drafts, so row 0 is their last row."""
+    def sample(logits_RV, p):
         return sample_rows(logits_RV, p, rows=rows, ranks=ranks, max_top_k=max_top_k)
 
     return sample

@@ -88,6 +88,8 @@ class Runner:
         self.cache: KVCache = self.fresh_cache()
         self.carry_buf = self._zeros(self.compiler.carry_shapes)
         self.q_buf = self._zeros(self.compiler.q_buf_spec) if self.spec else None  # [slots, block, V]
+        # [slots, J - 1, V]: donated to segment 2, which writes it only in steps verifying drafts
+        self.verify_buf = self._zeros(self.compiler.verify_logits_spec) if self.spec else None
         # a speculative runner also runs plain steps (the sampler on each request's first logits row), which the
         # engine picks when verifying drafts would not pay (serving.engine.spec_policy)
         self._sample = _SampleFinish(self)
@@ -183,8 +185,12 @@ class Runner:
         with jax.profiler.TraceAnnotation("runner.build"):
             built = self._build(chunks)
         seg = self._segments(built)
-        logits = seg.logits[jnp.asarray(seg.rows)]
-        return logits[:, -1] if self.spec else logits  # speculative: [n, J, V], the last being the chunk's last row
+        rows = jnp.asarray(seg.rows)
+        if not self.spec:
+            return seg.logits[rows]
+        last = jnp.asarray([ch.num_draft for ch in chunks])  # a chunk's last row: its row num_draft of J
+        rest = jnp.concatenate([seg.logits[:, None], seg.verify_logits], axis=1)[rows]
+        return jnp.take_along_axis(rest, last[:, None, None], axis=1)[:, 0]
 
     def _build(self, chunks: Sequence[SeqChunk]) -> BuiltStep:
         """The step's batch on the smallest compiled buckets that hold its busiest rank."""
@@ -202,10 +208,14 @@ class Runner:
             self.cache, self.carry_buf, counts1 = self.compiler.executable(Program.SEGMENT1.at(T))(
                 self.param_leaves, self.cache, self.carry_buf, self._put_step(batch.segment1()), prev_tokens,
                 *self._engram_terms)
+        verify = () if self.verify_buf is None else (self.verify_buf,)
         with jax.profiler.TraceAnnotation("runner.segment2"):
             self.cache, logits, prompt_lp, counts2 = self.compiler.executable(Program.SEGMENT2.at(K))(
-                self.param_leaves, self.cache, self.carry_buf, self._put_step(batch.segment2()))
-        return SegmentsOnDevice(batch.kept, logits, prompt_lp, (counts1, counts2), built.rows, built.where)
+                self.param_leaves, self.cache, self.carry_buf, self._put_step(batch.segment2()), *verify)
+        if verify:
+            logits, self.verify_buf = logits
+        return SegmentsOnDevice(batch.kept, logits, self.verify_buf, prompt_lp, (counts1, counts2), built.rows,
+                                built.where)
 
     # ------------------------------------------------------------------ reports
     def replay_summary(self) -> str:
@@ -325,7 +335,7 @@ class _SpeculativeFinish:
         r = self.r
         with jax.profiler.TraceAnnotation("runner.speculative"):
             r.cache, r.q_buf, out = r.compiler.executable(Program.SPEC_FINISH.at(len(h.spec.slot_R)))(
-                r.param_leaves, r.cache, r.carry_buf, snap, r.q_buf, seg.logits, h.spec, h.params)
+                r.param_leaves, r.cache, r.carry_buf, snap, r.q_buf, (seg.logits, seg.verify_logits), h.spec, h.params)
         return out
 
     def collect(self, launched: LaunchedStep, out: SpecOutput, expert_counts: np.ndarray | None

@@ -201,10 +201,14 @@ def segment1(module, layout: CacheLayout, cache: KVCache, carry_buf: SegmentCarr
 
 
 def segment2(module, layout: CacheLayout, cache: KVCache, carry_buf: SegmentCarry, batch: StepBatch, *,
-             fake_quant: bool, expert_counts: bool = False) -> tuple[KVCache, jax.Array, tuple, jax.Array | None]:
+             fake_quant: bool, expert_counts: bool = False, verify_buf: jax.Array | None = None
+             ) -> tuple[KVCache, jax.Array | tuple[jax.Array, jax.Array], tuple, jax.Array | None]:
     """(cache, logits of each request's last row [max_num_seqs, V], zeros past `Buckets.requests` of the kept rows
-    (speculative decoding: of its last J rows [max_num_seqs, J, V]; and each draft stage's context rows are
-    written), prompt logprobs of every kept row:
+    (speculative decoding: each draft stage's context rows are written, and the logits are a pair - row 0 of each
+    request's J verified rows [max_num_seqs, V], which is its last row when it verifies no drafts, and
+    `verify_buf` [max_num_seqs, J - 1, V] with rows 1 .. J - 1 written only when a request verifies drafts: a
+    donated buffer, so a step verifying none writes no more logits than a plain one), prompt logprobs of every kept
+    row:
     next-token logprob [K] and top ids / logprobs [K, MAX_LOGPROBS] - zeros unless a chunk asked for them - and
     the expert counts of layers cut .. L-1 over the kept rows [L - cut, E] or None)."""
     c, cut = layout.config, split_layer(layout.config)
@@ -245,12 +249,14 @@ def segment2(module, layout: CacheLayout, cache: KVCache, carry_buf: SegmentCarr
         rows_R = kept.logit_row_R
         n = min(rows_R.shape[0], h_TD.shape[0])
         head = lambda rows: module.head(h_TD[rows.reshape(-1)], jnp.float32).reshape(*rows.shape, -1)  # noqa: E731
+        pad = lambda a: jnp.pad(a, ((0, rows_R.shape[0] - n),) + ((0, 0),) * (a.ndim - 1))  # noqa: E731
         if rows_R.ndim == 1:
-            logits = head(rows_R[:n])
-        else:  # a step verifying no drafts (the engine's plain steps) has one row per request: the head runs once
-            logits = jax.lax.cond(jnp.any(rows_R[:n, -1] != rows_R[:n, 0]), lambda: head(rows_R[:n]),
-                                  lambda: jnp.broadcast_to(head(rows_R[:n, :1]), (n, *rows_R.shape[1:], c.vocab_size)))
-        logits = jnp.pad(logits, ((0, rows_R.shape[0] - n),) + ((0, 0),) * (logits.ndim - 1))
+            logits = pad(head(rows_R[:n]))
+        else:  # rows 1 .. J - 1 only when a request verifies drafts (the engine's plain steps verify none)
+            rest = jax.lax.cond(jnp.any(rows_R[:n, -1] != rows_R[:n, 0]),
+                                lambda: jax.lax.dynamic_update_slice_in_dim(verify_buf, head(rows_R[:n, 1:]), 0, 0),
+                                lambda: verify_buf)
+            logits = (pad(head(rows_R[:n, 0])), rest)
     with jax.named_scope("prompt_logprobs"):  # the head on every kept row, only when a chunk asks
         rows = jax.lax.cond(jnp.any(kept.prompt_next_K >= 0),
                             lambda: _prompt_logprobs(module, h_TD, jnp.maximum(kept.prompt_next_K, 0)),

@@ -230,3 +230,19 @@ def test_forward_of_a_speculative_runner_is_each_chunks_last_row(model, runner):
     prompt = _prompt(21, 10)
     logits = np.asarray(runner.forward([_chunk(prompt, 0, 10)]))
     np.testing.assert_allclose(logits[0], np.asarray(model.logits(prompt))[-1], atol=1e-4)
+
+
+def test_verification_logits_are_written_only_by_steps_that_verify(model, runner):
+    """Segment 2 writes a request's verified rows after the first (a donated buffer) only in a step where a request
+    verifies drafts, so a plain step writes no more logits than a plain runner's; a chunk's last row is then its row
+    num_draft."""
+    state, prompt = _state(runner), _prompt(23, 12)
+    before = np.asarray(runner.verify_buf)
+    first = np.asarray(runner.forward([_chunk(prompt, 0, 11)]))
+    np.testing.assert_array_equal(np.asarray(runner.verify_buf), before)
+    np.testing.assert_allclose(first[0], np.asarray(model.logits(prompt[:11]))[-1], atol=1e-4)
+    drafts = [5, 9]
+    last = np.asarray(runner.forward([_chunk(prompt, 11, 14, drafts)]))
+    assert not np.array_equal(np.asarray(runner.verify_buf), before)
+    np.testing.assert_allclose(last[0], np.asarray(model.logits(prompt + drafts))[-1], atol=1e-4)
+    _set_state(runner, state)

@@ -1,18 +1,24 @@
-"""The speculation policy (serving.engine.spec_policy): it tries every k for a block of steps, then plays the one
-measured fastest at the batch's concurrency, re-tries its neighbours now and then, and follows a change in the
-rates."""
+"""The speculation policy (serving.engine.spec_policy): plain first, then a block of each k that might pay, then the arm
+with the most tokens per second at the batch's concurrency - step times by their median there, tokens per step pooled
+over concurrencies - with re-tries of plain or the best's neighbours that follow a change and fade when nothing
+changes."""
 
 from serving.engine.spec_policy import SpeculationPolicy
 
 
-def _run(policy, running, rate_of_k, steps):
-    """`steps` decisions, each step recorded at `rate_of_k[k]` tokens/s per request; the chosen ks."""
+def _run(policy, running, arms, steps, verified=True):
+    """`steps` decisions, arm k's steps emitting arms[k][0] tokens per request in arms[k][1] seconds; the chosen ks."""
     chosen = []
     for _ in range(steps):
         k = policy.choose(running)
-        policy.record(k, running, int(rate_of_k[k] * running), 1.0)
+        tokens, seconds = arms[k]
+        policy.record(k, running, tokens * running, seconds, verified=verified)
         chosen.append(k)
     return chosen
+
+
+def _policy(max_k, **kw):
+    return SpeculationPolicy(max_k, **{"block_steps": 4, "min_steps": 4, "window": 4, "token_window": 4, **kw})
 
 
 def test_fixed_k_when_not_adaptive():
@@ -20,65 +26,84 @@ def test_fixed_k_when_not_adaptive():
     assert [p.choose(n) for n in (1, 8, 32)] == [5, 5, 5]
 
 
-def test_every_arm_gets_a_block_plain_first_then_the_fastest_plays():
-    p = SpeculationPolicy(3, block_steps=2, explore_every=1000)
-    chosen = _run(p, 1, {0: 100, 1: 150, 2: 180, 3: 120}, 20)
-    assert chosen[:8] == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert set(chosen[8:]) == {2}
-    assert p.rates()[1] == [100, 150, 180, 120]
+def test_plain_first_then_every_arm_then_the_fastest_plays():
+    p = _policy(3, explore_every=1000)
+    chosen = _run(p, 1, {0: (1, 0.01), 1: (1.5, 0.01), 2: (1.8, 0.01), 3: (1.25, 0.01)}, 40)
+    assert chosen[:16] == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
+    assert set(chosen[16:]) == {2}
+    assert p.rates()[1] == [100, 150, 180, 125]
 
 
-def test_a_block_is_measured_whole_switch_included():
-    """Speculation's first step after plain ones verifies nothing (slow); its block counts it, so an arm that only
-    pays past its switch must pay for the switch too: here it does not (3 + 16 + 16 tokens in 3 s vs 12 / s)."""
-    p = SpeculationPolicy(1, block_steps=3, explore_every=1000)
-    for k, tokens in [(0, 12), (0, 12), (0, 12), (1, 3), (1, 16), (1, 16)]:
-        assert p.choose(4) == k
-        p.record(k, 4, tokens * 4, 1.0)
-    assert p.choose(4) == 0 and p.rates()[4] == [12, 35 / 3]
+def test_a_stalled_step_does_not_condemn_an_arm():
+    """Step times by their median: plain's first block with one 20x stall still measures plain's rate, which
+    speculation 20% ahead does not beat by the margin (the block's mean would have made it lose 4 to 5.8)."""
+    p = _policy(1, explore_every=1000)
+    assert [p.choose(2) for _ in range(4)] == [0] * 4
+    for seconds in (1.0, 20.0, 1.0, 1.0):
+        p.record(0, 2, 2, seconds)
+    _run(p, 2, {0: (1, 1.0), 1: (1.2, 1.0)}, 4)
+    assert p.rates()[2] == [1.0, 1.2] and p.best(2) == 0
 
 
-def test_a_step_of_another_arm_is_not_counted_in_a_block():
-    """The last step of a block is collected after the next block began (async): it is not counted there."""
-    p = SpeculationPolicy(1, block_steps=2)
-    assert p.choose(2) == 0 and p.choose(2) == 0
-    p.record(0, 2, 20, 1.0)
-    assert p.choose(2) == 1
-    p.record(0, 2, 20, 1.0)  # block 0's second step, late: not block 1's
-    p.record(1, 2, 30, 1.0)
-    assert p.choose(2) == 1
-    assert p.choose(2) == 1  # block 1 ended: both arms measured, 1 is faster
-    assert p.rates()[2] == [10, 15]
+def test_a_step_that_verified_no_drafts_is_not_counted():
+    """Speculation's first step after plain ones verifies nothing (no drafts yet); it is not what the arm's steps
+    cost or emit once running."""
+    p = _policy(1, block_steps=5)
+    _run(p, 4, {0: (1, 1.0)}, 5)
+    assert p.choose(4) == 1
+    p.record(1, 4, 4, 3.0, verified=False)
+    assert p.rates()[4] == [1.0, None]
+    _run(p, 4, {1: (2, 1.0)}, 4)
+    assert p.rates()[4] == [1.0, 2.0]
 
 
-def test_concurrencies_are_measured_apart_and_per_request():
-    """Speculation pays alone and not in a batch of 8; 5-8 running requests share the 8 bucket, where rates are per
-    request (650 tok/s at 5 beats 800 at 8)."""
-    p = SpeculationPolicy(2, block_steps=1, explore_every=1000)
-    _run(p, 1, {0: 50, 1: 70, 2: 90}, 10)
-    _run(p, 8, {0: 50, 1: 30, 2: 25}, 10)
-    assert p.choose(1) == 2 and p.choose(8) == 0 and p.choose(5) == 0
-    assert p.best(2) == 0  # 2 running: not measured yet, plain
-    q = SpeculationPolicy(1, block_steps=1)
-    q.choose(8), q.record(0, 8, 800, 1.0), q.choose(5), q.record(1, 5, 650, 1.0)
-    assert q.choose(6) == 1 and q.rates()[8] == [100, 130]  # the choice closed arm 1's block
+def test_step_times_are_per_concurrency():
+    """Speculation pays alone (1.8 tokens for a plain step's time) and not in a batch of 8 (3x the step time); 5-8
+    running requests share the 8 bucket."""
+    p = _policy(1, explore_every=1000)  # tried at 8: its step time was plain's alone
+    _run(p, 1, {0: (1, 1.0), 1: (1.8, 1.0)}, 12)
+    _run(p, 8, {0: (1, 1.0), 1: (1.8, 3.0)}, 12)
+    assert p.rates() == {1: [1.0, 1.8], 8: [1.0, 0.6]}
+    assert p.best(1) == 1 and p.best(5) == 0 and p.best(2) == 0  # 2: plain unmeasured there
+
+
+def test_tokens_per_step_are_pooled_over_concurrencies():
+    """Acceptance is the drafter's, not the batch's: tokens per step measured alone rate arm 1 at 8 as soon as its
+    step time there is known."""
+    p = _policy(1, explore_every=1000, token_window=8)
+    _run(p, 1, {0: (1, 1.0), 1: (2.0, 1.0)}, 12)
+    p.record(0, 8, 8, 1.0), p.record(0, 8, 8, 1.0), p.record(0, 8, 8, 1.0), p.record(0, 8, 8, 1.0)
+    for _ in range(4):
+        p.record(1, 8, 8 * 1.0, 2.0)  # at 8 one token a step: pooled with alone's 2.0
+    assert p.rates()[8] == [1.0, 1.5 / 2.0]
+
+
+def test_an_arm_that_lost_at_a_lower_concurrency_is_not_tried_at_a_higher_one():
+    """Verification's step time relative to plain's only grows with the rows of a step: at 2 running, arm 1 took 3x
+    plain's time for 1.8 tokens; at 8 it is not tried (until the first re-try), arm 2 (1.1x for 2.2 tokens) is."""
+    p = _policy(2, explore_every=16)
+    _run(p, 2, {0: (1, 1.0), 1: (1.8, 3.0), 2: (2.2, 1.1)}, 12)
+    chosen = _run(p, 8, {0: (1, 2.0), 1: (1.8, 6.0), 2: (2.2, 2.2)}, 40)
+    assert chosen[:8] == [0] * 4 + [2] * 4 and 1 not in chosen
 
 
 def test_neighbours_are_re_tried_and_a_change_moves_the_choice():
-    p = SpeculationPolicy(4, block_steps=1, explore_every=8)
-    rates = {0: 100, 1: 120, 2: 150, 3: 130, 4: 110}
-    chosen = _run(p, 2, rates, 5 + 16)
-    assert chosen[5:] == [2] * 7 + [0] + [2] * 7 + [1]  # trials, then plain or a neighbour every 8 blocks, in turn
+    p = _policy(4, explore_every=2, block_steps=1, min_steps=1, window=1, token_window=1, explore_budget=1)
+    arms = {0: (1, 1.0), 1: (1.2, 1.0), 2: (1.5, 1.0), 3: (1.3, 1.0), 4: (1.1, 1.0)}
+    chosen = _run(p, 2, arms, 5 + 8)
+    # trials, then plain or a neighbour in turn, after 1, 3, 7 blocks of the best (each fruitless re-try doubles the wait)
+    chosen += _run(p, 2, arms, 6)
+    assert chosen[5:] == [2, 0] + [2] * 3 + [1] + [2] * 7 + [3]
     # the drafter gets better at longer blocks: k=3 now pays most; the re-tries find it and the choice moves
-    rates.update({3: 300, 4: 200})
-    chosen = _run(p, 2, rates, 64)
-    assert p.best(2) == 3 and chosen[-16:].count(3) >= 14  # re-tries of other arms: at most one in 8
+    arms.update({3: (3.0, 1.0), 4: (2.0, 1.0)})
+    chosen = _run(p, 2, arms, 200)
+    assert p.best(2) == 3 and chosen[-16:].count(3) >= 14
 
 
 def test_re_tries_that_change_nothing_fade():
     """Speculation far behind plain decoding (a 2-core CPU): each fruitless re-try doubles the wait, up to max_wait."""
-    p = SpeculationPolicy(2, block_steps=1, explore_every=16, max_wait=256)
-    chosen = _run(p, 8, {0: 100, 1: 40, 2: 30}, 3 + 4000)[3:]
+    p = _policy(2, block_steps=1, min_steps=1, explore_every=16, max_wait=256)
+    chosen = _run(p, 8, {0: (1, 1.0), 1: (1.2, 3.0), 2: (1.3, 4.0)}, 3 + 4000)[3:]
     assert chosen.count(0) >= 4000 - 25
     gaps = [i for i, k in enumerate(chosen) if k]
     assert gaps[-1] - gaps[-2] >= 256  # at the cap
@@ -86,9 +111,36 @@ def test_re_tries_that_change_nothing_fade():
 
 def test_speculation_plays_only_clearly_ahead_of_plain():
     """Its prefill steps (one at a time, drafting) are not in its rate: 5% ahead is not enough."""
-    p = SpeculationPolicy(1, block_steps=1, explore_every=1000)
-    _run(p, 4, {0: 100, 1: 105}, 10)
+    p = _policy(1, explore_every=1000)
+    _run(p, 4, {0: (1, 1.0), 1: (1.05, 1.0)}, 12)
     assert p.best(4) == 0
-    q = SpeculationPolicy(1, block_steps=1, explore_every=1000)
-    _run(q, 4, {0: 100, 1: 150}, 10)
+    q = _policy(1, explore_every=1000)
+    _run(q, 4, {0: (1, 1.0), 1: (1.5, 1.0)}, 12)
     assert q.best(4) == 1
+
+
+def test_a_re_try_waits_until_its_loss_is_a_small_share():
+    """Speculation at half plain's speed loses a block per re-try: with a 1% budget a re-try comes every 100 blocks,
+    however short the backoff."""
+    p = _policy(1, block_steps=1, min_steps=1, explore_every=1, explore_budget=0.01)
+    chosen = _run(p, 8, {0: (1, 1.0), 1: (1.0, 2.0)}, 2 + 500)
+    at = [i for i, k in enumerate(chosen) if k]
+    assert at == [1, 101, 201, 301, 401, 501]
+
+
+def test_an_arm_is_tried_once_per_concurrency():
+    """A trial block whose steps went to other concurrencies (requests ending) measures nothing here; it is not
+    repeated block after block (the re-tries measure it later)."""
+    p = _policy(1, explore_every=1000)
+    _run(p, 4, {0: (1, 1.0)}, 4)
+    chosen = [p.choose(4) for _ in range(40)]  # no step recorded at 4: they ran at other concurrencies
+    assert chosen == [1] * 4 + [0] * 36
+
+
+def test_a_re_try_unmeasured_here_waits_by_the_lower_concurrency_estimate():
+    """Arm 1 took 3x plain's step time for 1.5 tokens at 2 running: at 8 it is not tried, and its first re-try there
+    waits until its estimated loss (1 block) is 1% of the blocks, as a measured one would."""
+    p = _policy(1, block_steps=1, min_steps=1, explore_every=1, explore_budget=0.01)
+    _run(p, 2, {0: (1, 1.0), 1: (1.5, 3.0)}, 2)
+    chosen = _run(p, 8, {0: (1, 1.0), 1: (1.5, 3.0)}, 250)
+    assert [i for i, k in enumerate(chosen) if k] == [100, 200]
