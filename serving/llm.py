@@ -19,6 +19,7 @@ from serving.engine.args import EngineArgs, field_names, route_keywords
 from serving.engine.engine import Engine
 from serving.engine.request import TokenLogprob
 from serving.model_source import ModelArgs, ModelSource, load_model
+from serving.runtime.exe_cache import DEFAULT_CACHE_DIR, ExecutableCacheSettings
 from serving.runtime.sampling_params import SamplingParams
 from serving.text.encoding import encode_messages
 
@@ -47,9 +48,12 @@ Prompt = str | Sequence[int] | dict
 
 
 class LLM:
-    def __init__(self, model: str | dsv41.Model | None = None, *, tokenizer=None, progress: bool = True, **config):
+    def __init__(self, model: str | dsv41.Model | None = None, *, tokenizer=None, progress: bool = True,
+                 compilation_cache_dir: str | None = str(DEFAULT_CACHE_DIR), **config):
         """`model`: a checkpoint folder, a preset name, None (the built-in nano-austen, `dsv41.nano`) or a
-        `dsv41.Model`.
+        `dsv41.Model`. `compilation_cache_dir`: where the compiled step programs are kept, the server's
+        `--compilation-cache-dir` and default, so a new LLM or a server with the same configuration loads them
+        instead of compiling ('' or None: nowhere).
         `config`: flat keywords, each a field of `ModelArgs` (dtype, served_model_name) or of a section of
         `EngineArgs` (max_num_seqs=16, block_size=8, seed=..., tensor_parallel_size=...); an unknown one is a
         TypeError naming it."""
@@ -65,7 +69,8 @@ class LLM:
             src.tokenizer = tokenizer or src.tokenizer
         self.source = src
         self.tokenizer = src.tokenizer
-        self.engine = Engine(src.model, src.tokenizer, engine_args, model_name=src.name, progress=progress)
+        self.engine = Engine(src.model, src.tokenizer, engine_args, model_name=src.name, progress=progress,
+                             executable_cache=ExecutableCacheSettings.in_cache_dir(compilation_cache_dir))
         self._counter = 0
 
     def generate(self, prompts: Prompt | Sequence[Prompt],

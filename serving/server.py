@@ -16,7 +16,6 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import NamedTuple
 
 from serving.api.server import ServerArgs
@@ -88,8 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     if pc.nnodes > 1 and background:  # see serving.engine.multiprocess
         _say("every step program compiles before ready: every process must hold the buckets process 0 picks")
         background = False
-    exe_cache = (ExecutableCacheSettings(Path(cache_dir) / "executables", srv.compilation_cache_max_bytes)
-                 if cache_dir else None)
+    exe_cache = ExecutableCacheSettings.in_cache_dir(cache_dir, srv.compilation_cache_max_bytes)
     leader = pc.node_rank == 0
     try:
         src = load_model(args.model, ea.runtime.seed, ea.parallel, progress=True)

@@ -37,7 +37,7 @@ from serving.api.tokenize import DetokenizeRequest, TokenizeRequest, detokenize,
 from serving.engine.async_engine import AsyncEngine, EngineDead
 from serving.engine.profiler import Profiler, ProfilerError
 from serving.engine.scheduler import QueueFull
-from serving.runtime.exe_cache import DEFAULT_MAX_BYTES
+from serving.runtime.exe_cache import DEFAULT_CACHE_DIR, DEFAULT_MAX_BYTES
 from serving.text.template_kwargs import ChatTemplateKwargs
 
 log = logging.getLogger("serving.api")
@@ -55,16 +55,16 @@ class ServerArgs:
         "help": "require 'Authorization: Bearer KEY' (or Anthropic's 'x-api-key: KEY') on /v1 routes, /tokenize, "
                 "/detokenize, /start_profile and /stop_profile"})
     max_request_body_bytes: int = field(default=32 << 20, metadata={"help": "larger request bodies get HTTP 413"})
-    compilation_cache_dir: str = field(default=str(Path.home() / ".cache" / "dsv41-jax" / "xla"), metadata={
+    compilation_cache_dir: str = field(default=str(DEFAULT_CACHE_DIR), metadata={
         "help": "where compiled steps are kept: a restart with the same flags loads them ('' turns it off): the "
                 "programs themselves (executables/, no tracing either), on one device or a mesh"})
     compilation_cache_max_gb: int = field(default=DEFAULT_MAX_BYTES >> 30, metadata={
         "help": "bound on that cache's size in GiB: the least recently used programs are deleted beyond it (old "
                 "source versions and configs); 0: no bound"})
     background_compile: bool = field(default=True, metadata={
-        "help": "ready once the largest step bucket of each function is compiled; the smaller ones (faster small "
-                "steps) compile in a background thread while serving, steps padding up meanwhile (off: compile "
-                "every bucket before ready)"})
+        "help": "ready once the largest step bucket of each function and the decode ones are compiled; the others "
+                "compile in a background thread, steps padding up meanwhile (on a CPU each waits until the server "
+                "idles or padding has cost its compile time); off: compile every bucket before ready"})
     keep_host_memory: bool = field(default=True, metadata={
         "help": "glibc malloc keeps the host memory XLA:CPU steps free (one arena, no mmap, no trim) instead of "
                 "returning it and faulting it in again each step (8 x 512-token prefill ~13% faster); the process "

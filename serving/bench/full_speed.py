@@ -6,7 +6,9 @@
 Our server starts with its default flags (plus any --server-arg) and an empty compile cache; from the moment
 /health answers, waves of the peers workload (16 requests of 512 random token ids in, 64 out, greedy, 8 lanes;
 fresh prompts every wave, so no wave hits the prefix cache) run back to back until --duration seconds after
-launch. Then it restarts on the cache the first run left (warm) and runs --warm-waves waves. The warm median is
+launch, and the server then idles until it has compiled every program (it compiles beside busy steps only what
+their padding pays for). Then it restarts on the cache the first run left (warm) and runs --warm-waves waves on
+every program. The warm median is
 the median output tok/s of the warm waves after the first; "full speed at" is the launch-relative start of the
 first of five waves in a row each at >= 75% of that median (the issue's rule). With --vllm-python, vLLM CPU runs
 the same waves (its own cold start; vLLM has no compile cache to warm here).
@@ -76,7 +78,11 @@ def full_speed_at(run: list[dict], warm_median: float) -> float | None:
     return None
 
 
-def ours(args, cache_dir: str, *, until: float | None, count: int | None, who: str) -> dict:
+ALL_COMPILED_TIMEOUT_S = 600
+
+
+def ours(args, cache_dir: str, *, until: float | None, count: int | None, who: str,
+         wait_all_compiled: bool = False) -> dict:
     port = free_port()
     model = ["--model", args.model] if args.model else []
     cmd = [sys.executable, "-m", "serving.server", *model, "--served-model-name", "bench-model",
@@ -86,6 +92,11 @@ def ours(args, cache_dir: str, *, until: float | None, count: int | None, who: s
     with server_process(cmd, port, log, args.startup_timeout) as url:
         ready = time.perf_counter() - t0
         run = waves(args, url, "bench-model", t0, until, count, who)
+        deadline = time.monotonic() + ALL_COMPILED_TIMEOUT_S
+        while wait_all_compiled and "all programs compiled" not in log.read_text(errors="replace"):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{who}: not every program compiled {ALL_COMPILED_TIMEOUT_S} s after the waves")
+            time.sleep(1)
     text = log.read_text(errors="replace")
     compiled = next((line.split("] ", 1)[-1] for line in text.splitlines() if "all programs compiled" in line), None)
     return {"ready_s": round(ready, 2), "all_compiled": compiled, "waves": run}
@@ -118,7 +129,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     args.log_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="full-speed-cache-") as cache_dir:
-        cold = ours(args, cache_dir, until=args.duration, count=None, who="cold")
+        cold = ours(args, cache_dir, until=args.duration, count=None, who="cold", wait_all_compiled=True)
         warm = ours(args, cache_dir, until=None, count=args.warm_waves, who="warm")
     warm_median = statistics.median(w["output_tok_s"] for w in warm["waves"][1:])
     result = {"model": args.model or "(built-in)", "server_args": args.server_arg,

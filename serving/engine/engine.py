@@ -118,6 +118,7 @@ class Engine:
         self._async_blocker = async_blocker(args, self.runner, self.eplb is not None)
         self.async_scheduling = self._async_blocker is None
         self._update_gauges()
+        self.runner.compiler.gate.busy = self.has_unfinished  # background compiles wait for the steps
 
     def scheduling_summary(self) -> str:
         """One line for the banner: async scheduling, or why steps go one at a time."""

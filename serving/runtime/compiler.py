@@ -4,10 +4,16 @@ kernels, the step programs (`programs.StepPrograms`) and each bucket's executabl
 Buckets: segment 1 by the step's token count, segment 2 by its kept-row count (the CED trimming), the sampler (or
 the speculative programs) by its requests. Every bucket is compiled ahead of time (`precompile`, with a progress
 bar, one program per core at a time): all of them, or with `background` the essential ones first (the largest of
-each family, and the segments at a decode step of every slot) and the rest in a daemon thread, a step whose own
-bucket is not ready meanwhile running padded to one that is. The serving loop never compiles: a step whose bucket
-is missing raises `CompileInServingLoop`. Programs are loaded from and saved to the executable cache
+each family, and the segments at a decode step of every slot and of 8 rows) and the rest in a daemon thread, a step
+whose own bucket is not ready meanwhile running padded to one that is. The serving loop never compiles: a step whose
+bucket is missing raises `CompileInServingLoop`. Programs are loaded from and saved to the executable cache
 (`serving.runtime.exe_cache`) the moment each is compiled, background ones included.
+
+On a CPU backend a background compile takes a core from the steps (c=8 waves ran at a third of their warm rate beside
+it: docs/benchmarks/startup.md), so there it waits for the steps (`BackgroundGate`): a program compiles when the
+engine has been idle for a while, or when the steps that padded up for want of it have lost, by their padding, the
+seconds it takes to compile (ski rental: at most twice the loss of the better choice made knowing the future).
+Programs in the executable cache load at once.
 """
 
 from __future__ import annotations
@@ -28,16 +34,20 @@ import numpy as np
 from dsv41.layers.basic import with_kernels
 from pallas_kernels.kernel_config import KernelConfig, MoeStep
 from serving.runtime import kv_cache, map_limit
+from serving.runtime.background import BackgroundGate
 from serving.runtime.batch import Buckets, token_ladder
 from serving.runtime.builder import StepBuilder
 from serving.runtime.config import RuntimeConfig
 from serving.runtime.exe_cache import ExecutableCache, ExecutableCacheSettings, arg_tree
 from serving.runtime.kv_cache import CacheLayout
-from serving.runtime.moe_tuning import bucket_kernels, runtime_kernels
+from serving.runtime.moe_tuning import bucket_kernels, runtime_kernels, small_steps, stored
 from serving.runtime.programs import BucketKey, ModelGraph, Program, StepPrograms, build_programs
 from serving.runtime.sampler import sampling_arrays
 from serving.runtime.speculative import SpeculativeConfig
 from serving.runtime.step import PackedBatch
+
+
+FEW_ROWS = 8  # a decode step this small has its own essential bucket (`StepCompiler.essential_keys`)
 
 
 class CompileInServingLoop(RuntimeError):
@@ -106,6 +116,8 @@ class StepCompiler:
             cache=self.cache_spec, carry=self.carry_spec)
         self._exe: dict[BucketKey, jax.stages.Compiled] = {}  # filled by precompile (and its background thread)
         self._background: threading.Thread | None = None
+        self._not_cached: set[BucketKey] = set()  # looked up in the executable cache, and not there
+        self.gate = BackgroundGate()  # when the background thread may compile beside the steps (a CPU backend)
         self.all_compiled_at: float | None = None  # time.perf_counter() when the last bucket was ready
 
     # ------------------------------------------------------------------ parameters
@@ -134,15 +146,20 @@ class StepCompiler:
 
     def essential_keys(self) -> list[BucketKey]:
         """The buckets compiled before the server is ready: the largest of each family (any step can pad up to it),
-        and the segments' bucket that holds a decode step of every slot (so no decode step pads up to a
-        prefill-sized program while the others compile)."""
-        rows = min(self.rc.max_num_seqs, self.buckets.tokens[-1])
+        and the segments' buckets that hold a decode step of every slot (so no decode step pads up to a
+        prefill-sized program) and of `FEW_ROWS` rows (what padding a decode costs: docs/design/measurements.md,
+        "Token buckets"; the background compiles the rest when the engine idles or their padding has cost their
+        compile)."""
         largest: dict[Program, BucketKey] = {}
         for key in self.bucket_keys():  # each family's keys in ascending size
             largest[key.program] = key
-        segments = [Program.SEGMENT1.at(self.buckets.token_bucket(rows)),
-                    Program.SEGMENT2.at(self.buckets.kept_bucket(rows))]
-        return list(largest.values()) + [k for k in segments if k not in largest.values()]
+        out = list(largest.values())
+        for rows in (min(self.rc.max_num_seqs, self.buckets.tokens[-1]), min(FEW_ROWS, self.rc.max_num_seqs)):
+            for key in (Program.SEGMENT1.at(self.buckets.token_bucket(rows)),
+                        Program.SEGMENT2.at(self.buckets.kept_bucket(rows))):
+                if key not in out:
+                    out.append(key)
+        return out
 
     def fit(self, program: Program, n: int, sizes: Sequence[int]) -> int:
         """The smallest size >= n whose bucket of `program` is compiled; the smallest that fits if none is (the
@@ -150,7 +167,9 @@ class StepCompiler:
         fits = [b for b in sizes if b >= n]
         if not fits:
             raise ValueError(f"{n} tokens exceed the largest token bucket {sizes[-1]}")
-        return next((b for b in fits if program.at(b) in self._exe), fits[0])
+        used = next((b for b in fits if program.at(b) in self._exe), fits[0])
+        self.gate.planned(program, fits[0], used)
+        return used
 
     def executable(self, key: BucketKey) -> jax.stages.Compiled:
         exe = self._exe.get(key)
@@ -170,11 +189,12 @@ class StepCompiler:
     # ------------------------------------------------------------------ compilation
     def precompile(self, keys: Sequence[BucketKey] | None = None, *, background: bool = False) -> float:
         """Compile every bucket (or `keys`), `workers` at a time; returns the seconds spent. `background`: compile
-        only the essential keys now and the others (smallest first: decode steps gain most) in a daemon thread, one
-        at a time on a CPU backend (two threads, or one at the lowest CPU priority, took longer beside a busy serving
-        loop: docs/design/measurements.md), `workers` at a time on an accelerator; until a step's own bucket is
-        ready it runs padded to the smallest compiled one that fits (`background_done` tells when all are). A key
-        outside `bucket_keys()` is refused: no step would ever run it."""
+        only the essential keys now and the others in a daemon thread: on an accelerator `workers` at a time,
+        smallest first (decode steps gain most); on a CPU backend one at a time (two threads, or one at the lowest
+        CPU priority, took longer beside a busy serving loop: docs/design/measurements.md), each when `gate` lets
+        it, those in the executable cache loaded first. Until a step's own bucket is ready it runs padded to the
+        smallest compiled one that fits (`background_done` tells when all are). A key outside `bucket_keys()` is
+        refused: no step would ever run it."""
         known = self.bucket_keys()
         keys = list(keys or known)
         if unused := [k for k in keys if k not in known]:
@@ -186,6 +206,7 @@ class StepCompiler:
         order = list(Program)  # at one size: segments, then what follows them (a snapshot before its finish)
         rest = sorted((k for k in keys if k not in now), key=lambda k: (k.size, order.index(k.program)))
         seconds = self._compile_all(now, bar=self.progress)
+        self.gate.start()
         self._background = threading.Thread(target=self._compile_rest, args=(rest,), name="precompile", daemon=True)
         self._background.start()
         return seconds
@@ -215,10 +236,24 @@ class StepCompiler:
         return time.perf_counter() - start
 
     def _compile_rest(self, keys: list[BucketKey]) -> None:
-        # on a CPU backend the steps run on the cores a compile would take; on an accelerator they leave them free
-        seconds = self._compile_all(keys, bar=False, workers=1 if jax.default_backend() == "cpu" else None)
+        start = time.perf_counter()
+        if jax.default_backend() != "cpu":  # the steps leave the host's cores to the compiles
+            self._compile_all(keys, bar=False)
+        else:  # the steps run on the cores a compile would take
+            # a program not tuned yet was never compiled with its tuning: not looked up (the timing would run now)
+            pending = [k for k in keys if (kernels := self._untimed_kernels(k)) is None or not self._load(k, kernels)]
+            self._note_if_all_compiled()
+            while pending:
+                key = self.gate.wait_next(pending)
+                pending.remove(key)
+                lost = self.gate.loss_s[key]
+                why = f"steps lost {lost:.1f}s padding up for it" if lost >= self.gate.cost(key) else "engine idle"
+                seconds = self._compile_all([key], bar=False, workers=1)
+                if self.progress:
+                    sys.stderr.write(f"[dsv41-jax] background: {key!r} compiled in {seconds:.1f}s ({why})\n")
+        seconds = time.perf_counter() - start
         if self.progress:
-            sys.stderr.write(f"[dsv41-jax] background: the other {len(keys)} programs compiled in {seconds:.1f}s\n")
+            sys.stderr.write(f"[dsv41-jax] background: the other {len(keys)} programs ready {seconds:.1f}s later\n")
 
     def _note_if_all_compiled(self) -> None:
         if self.all_compiled_at is None and all(k in self._exe for k in self.bucket_keys()):
@@ -226,14 +261,28 @@ class StepCompiler:
 
     def _compile(self, key: BucketKey, kernels: KernelConfig) -> None:
         """One bucket's executable, traced with `kernels` (`kernels_for`), loaded or compiled and kept."""
-        specs = self.example_args(key)
-        name = (key, kernels) if self.programs.takes_graph(key) else key  # a program is the kernels it was traced for
-        exe = self.exe_cache.load(name, specs, self.devices) if self.exe_cache else None
-        if exe is None:
-            exe = self.lower(key, kernels).compile()
-            if self.exe_cache:
-                self.exe_cache.save(name, specs, exe)
+        if self._load(key, kernels):
+            return
+        start = time.perf_counter()
+        exe = self.lower(key, kernels).compile()
+        self.gate.compiled(key, time.perf_counter() - start)
+        if self.exe_cache:
+            self.exe_cache.save(self._cache_name(key, kernels), self.example_args(key), exe)
         self._exe[key] = exe
+
+    def _load(self, key: BucketKey, kernels: KernelConfig) -> bool:
+        """Keep the bucket's executable from the executable cache, if it holds it; whether it did (asked once)."""
+        if self.exe_cache is None or key in self._not_cached:
+            return False
+        exe = self.exe_cache.load(self._cache_name(key, kernels), self.example_args(key), self.devices)
+        if exe is None:
+            self._not_cached.add(key)
+            return False
+        self._exe[key] = exe
+        return True
+
+    def _cache_name(self, key: BucketKey, kernels: KernelConfig):
+        return (key, kernels) if self.programs.takes_graph(key) else key  # a program is the kernels it was traced for
 
     def lower(self, key: BucketKey, kernels: KernelConfig | None = None, **lowering) -> jax.stages.Lowered:
         """A bucket's program traced and lowered for its example arguments, with `kernels` (default: the bucket's,
@@ -246,12 +295,21 @@ class StepCompiler:
         yet - eagerly, before tracing - or read from the tuning file), else the runner's kernels."""
         if not self.tune or not self.programs.takes_graph(key):
             return self.kernels
-        if key.program is Program.SPEC_FINISH:  # the drafter's block pass: block-size rows per request
-            rows, draft_rows = (), (key.size * self.config.dspark_block_size,)
-        else:
-            rows, draft_rows = (key.size,), ()
-        return bucket_kernels(self.kernels, self._module, rows=rows, draft_rows=draft_rows, tuned=self.tuned,
+        return bucket_kernels(self.kernels, self._module, **self._tuning_rows(key), tuned=self.tuned,
                               tuning_file=self._tuning_file)
+
+    def _untimed_kernels(self, key: BucketKey) -> KernelConfig | None:
+        """`kernels_for(key)` where it times nothing (its forms tuned or in the tuning file), else None."""
+        if self.tune and self.programs.takes_graph(key):
+            missing = [s for s in small_steps(self._module, **self._tuning_rows(key)) if s not in self.tuned]
+            if not stored(missing, self._tuning_file):
+                return None
+        return self.kernels_for(key)
+
+    def _tuning_rows(self, key: BucketKey) -> dict[str, tuple[int, ...]]:
+        if key.program is Program.SPEC_FINISH:  # the drafter's block pass: block-size rows per request
+            return {"rows": (), "draft_rows": (key.size * self.config.dspark_block_size,)}
+        return {"rows": (key.size,), "draft_rows": ()}
 
     def _graph(self, kernels: KernelConfig) -> ModelGraph:
         return self.graph if kernels == self.kernels else ModelGraph.split(with_kernels(self._module, kernels))[0]

@@ -38,6 +38,7 @@ import jax
 from jax.experimental import serialize_executable
 
 DEFAULT_MAX_BYTES = 8 << 30
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "dsv41-jax" / "xla"  # the server's and LLM's (programs in executables/)
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,11 @@ class ExecutableCacheSettings:
 
     folder: Path
     max_bytes: int | None = DEFAULT_MAX_BYTES
+
+    @classmethod
+    def in_cache_dir(cls, cache_dir: str | Path | None, max_bytes: int | None = DEFAULT_MAX_BYTES):
+        """The settings of a `--compilation-cache-dir` (programs in its executables/); None for '' or None."""
+        return cls(Path(cache_dir) / "executables", max_bytes) if cache_dir else None
 
     @property
     def tuning_file(self) -> Path:
@@ -156,6 +162,11 @@ class ExecutableCache:
         return None
 
     def save(self, key, specs: tuple, compiled) -> None:
+        if jax.config.jax_compilation_cache_dir and jax.config.jax_enable_compilation_cache:
+            warnings.warn(f"bucket {key} not kept in the executable cache: JAX's persistent compilation cache is on in "
+                          "this process, and a program it served serializes without its code on jaxlib 0.12",
+                          stacklevel=2)
+            return
         try:
             entry = serialize_executable.serialize(compiled)
         except (ValueError, NotImplementedError) as e:  # e.g. a program closing over device arrays

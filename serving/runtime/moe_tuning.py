@@ -76,6 +76,12 @@ def small_steps(module, rows: Iterable[int], draft_rows: Iterable[int] = ()) -> 
     return sorted(out)
 
 
+def stored(steps: Iterable[MoeStep], tuning_file: Path | None) -> bool:
+    """Whether `tune_small_steps` would find every step's form in `tuning_file` (and time none)."""
+    forms = _read(Path(tuning_file) if tuning_file else None)
+    return all(forms.get(_key(step)) in SMALL_STEP_FORMS for step in steps)
+
+
 def tune_small_steps(steps: Iterable[MoeStep], tuning_file: Path | None = None) -> tuple[tuple[MoeStep, str], ...]:
     """((step, form), ...): each step's form read from `tuning_file` (a JSON file; None: none) or else timed
     (`fastest_form`, once per process) and stored there. Runs eagerly: refused inside a trace."""

@@ -118,3 +118,19 @@ def test_a_folder_that_cannot_be_written_warns_and_misses(tmp_path):
     with pytest.warns(UserWarning, match="not written"):
         cache.put_value("carry", 1)
     assert cache.get_value("carry") is None and list(tmp_path.iterdir()) == [tmp_path / "taken"]
+
+
+def test_no_program_is_kept_beside_jax_s_persistent_cache(tmp_path):
+    """This process runs JAX's persistent cache (tests/conftest.py), whose programs serialize without their code on
+    jaxlib 0.12: the executable cache keeps none (a warning says why), so no later load fails."""
+    import jax
+    import jax.numpy as jnp
+
+    from serving.runtime.exe_cache import ExecutableCache, ExecutableCacheSettings
+
+    assert jax.config.jax_compilation_cache_dir and jax.config.jax_enable_compilation_cache
+    cache = ExecutableCache(ExecutableCacheSettings(tmp_path), "runner")
+    spec = (jax.ShapeDtypeStruct((), jnp.float32),)
+    with pytest.warns(UserWarning, match="persistent compilation cache is on"):
+        cache.save("bucket", spec, jax.jit(lambda x: x + 1).lower(*spec).compile())
+    assert list(tmp_path.iterdir()) == [] and cache.load("bucket", spec, jax.devices()) is None

@@ -44,9 +44,13 @@ def test_step_is_small():
 def test_tuned_form_is_timed_once_kept_and_read_back(tmp_path, monkeypatch, fresh_timings):
     """The pick is timed, stored under the step's shape (and the machine's versions), and read back from the file
     by a process that has not timed it (its cache cleared) without timing; a torn file is timed again; a form the
-    file plants is taken as it is."""
+    file plants is taken as it is. `stored` says which steps the file holds (the background compiler looks up only
+    those programs in the executable cache, timing nothing)."""
     path = tmp_path / "tuning" / "moe_small_steps.json"
+    assert not moe_tuning.stored([STEP], path) and moe_tuning.stored([], path)
     ((step, form),) = moe_tuning.tune_small_steps([STEP], path)
+    other = STEP._replace(rows=64)
+    assert moe_tuning.stored([STEP], path) and not moe_tuning.stored([STEP, other], path)
     assert step == STEP and form in SMALL_STEP_FORMS
     stored = json.loads(path.read_text())
     assert list(stored.values()) == [form] and next(iter(stored)).startswith("(32, 2, 16, 128, 256, 'float32', ")

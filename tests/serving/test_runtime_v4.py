@@ -139,6 +139,7 @@ def test_background_compile_serves_padded_until_its_bucket_is_ready(model):
     is done - the same logits either way."""
     r = Runner(model, RuntimeConfig(**{**RC, "token_buckets": (8, 16, 64)}, swa_bounded_replay=False), progress=False)
     compiler = r.compiler
+    compiler.gate.idle_s = 0.0  # no engine here: compile the rest at once
     compiler.precompile(background=True)
     essential = compiler.essential_keys()
     assert set(essential) <= set(compiler.compiled_keys)
@@ -154,3 +155,13 @@ def test_background_compile_serves_padded_until_its_bucket_is_ready(model):
     late = d.step({"a": 12})["a"]
     ref = full_logits(model, d.reqs["a"].tokens)
     assert max(float(np.abs(early - ref[11]).max()), float(np.abs(late - ref[23]).max())) <= TOL
+
+
+def test_the_essential_buckets_hold_decode_steps_of_every_slot_and_of_eight_rows(model):
+    """Before ready: the largest bucket of each family, and the segments at a decode of every slot (32) and of
+    eight (compiler.FEW_ROWS) - no more (the rest compile in the background)."""
+    r = Runner(model, RuntimeConfig(max_num_seqs=32, max_num_batched_tokens=512, max_model_len=512,
+                                    token_buckets=(2, 8, 16, 32, 64, 512)), progress=False)
+    s1, s2 = Program.SEGMENT1, Program.SEGMENT2
+    assert r.compiler.essential_keys() == [s1.at(512), s2.at(512), Program.SAMPLE.at(32), s1.at(32), s2.at(32),
+                                           s1.at(8), s2.at(8)]

@@ -148,7 +148,7 @@ def test_offline_llm_matches_the_engine(engine, model, args):
     from serving import LLM
     from serving.text.tokenizer import byte_level_tokenizer
 
-    llm = LLM(model, tokenizer=byte_level_tokenizer(512), progress=False, **args.flat())
+    llm = LLM(model, tokenizer=byte_level_tokenizer(512), progress=False, compilation_cache_dir="", **args.flat())
     p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompt = _prompt(21)
     (direct,), _ = _serve(engine, [prompt], p)
