@@ -163,9 +163,9 @@ class ExecutableCache:
 
     def save(self, key, specs: tuple, compiled) -> None:
         if jax.config.jax_compilation_cache_dir and jax.config.jax_enable_compilation_cache:
-            warnings.warn(f"bucket {key} not kept in the executable cache: JAX's persistent compilation cache is on in "
+            warnings.warn("no program is kept in the executable cache: JAX's persistent compilation cache is on in "
                           "this process, and a program it served serializes without its code on jaxlib 0.12",
-                          stacklevel=2)
+                          stacklevel=2)  # one message for every program: shown once
             return
         try:
             entry = serialize_executable.serialize(compiled)
