@@ -117,8 +117,9 @@ def main(argv: list[str] | None = None) -> None:
     _say(f"replay: {engine.runner.replay_summary()}")
     _say(f"kernels: {engine.runner.compiler.describe_kernels()}")
     _say(f"scheduling: {engine.scheduling_summary()}")
-    if (cache := engine.runner.compiler.exe_cache) is not None:
-        _say(f"executable cache: {cache.hits} programs loaded, {cache.misses} compiled ({cache.folder})")
+    if (counts := engine.runner.compiler.cache_counts_at_ready) is not None:
+        _say(f"executable cache: {counts[0]} programs loaded, {counts[1]} compiled "
+             f"({engine.runner.compiler.exe_cache.folder})")
     aengine = AsyncEngine(engine)
     chat_defaults, stated_by = _chat_defaults(srv, src)
     _say(f"chat: a request that states nothing about thinking gets {chat_defaults.describe()} ({stated_by})")

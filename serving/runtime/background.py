@@ -73,7 +73,7 @@ class BackgroundGate:
     def _close(self, step: _Step, seconds: float) -> None:
         for key, fraction in step.padded:
             self.loss_s[key] += seconds / len(SEGMENTS) * fraction
-            if self.loss_s[key] >= self.cost(key):
+            if self.due(key):
                 self._wake.set()
 
     # ------------------------------------------------------------ the compiling thread
@@ -94,6 +94,10 @@ class BackgroundGate:
         pick = own or every
         return sum(pick) / len(pick) if pick else DEFAULT_COMPILE_S
 
+    def due(self, key: BucketKey) -> bool:
+        """Whether the steps' padding for want of `key` has cost its compile."""
+        return self.loss_s[key] >= self.cost(key)
+
     def idle(self) -> bool:
         if self.busy():
             self._last_busy = self.clock()
@@ -104,7 +108,7 @@ class BackgroundGate:
     def choose(self, pending: Sequence[BucketKey]) -> BucketKey | None:
         """The program to compile now, or None (wait): the one that has lost most where it lost its compile
         seconds, else, with the engine idle, the most wanted (ties: `pending`'s order)."""
-        due = [k for k in pending if self.loss_s[k] >= self.cost(k)]
+        due = [k for k in pending if self.due(k)]
         if due:
             return max(due, key=lambda k: self.loss_s[k])
         if self.idle():

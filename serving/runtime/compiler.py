@@ -119,6 +119,8 @@ class StepCompiler:
         self._not_cached: set[BucketKey] = set()  # looked up in the executable cache, and not there
         self.gate = BackgroundGate()  # when the background thread may compile beside the steps (a CPU backend)
         self.all_compiled_at: float | None = None  # time.perf_counter() when the last bucket was ready
+        # (loaded, compiled) of the programs `precompile` handled before it returned (the background's come later)
+        self.cache_counts_at_ready: tuple[int, int] | None = None
 
     # ------------------------------------------------------------------ parameters
     def flatten(self, module) -> list[jax.Array]:
@@ -201,15 +203,22 @@ class StepCompiler:
             raise ValueError(f"bucket keys {unused} are not among this runner's bucket_keys() {known}: no step "
                              "runs them")
         if not background:
-            return self._compile_all(keys, bar=self.progress)
+            seconds = self._compile_all(keys, bar=self.progress)
+            self._count_at_ready()
+            return seconds
         now = [k for k in self.essential_keys() if k in keys]
         order = list(Program)  # at one size: segments, then what follows them (a snapshot before its finish)
         rest = sorted((k for k in keys if k not in now), key=lambda k: (k.size, order.index(k.program)))
         seconds = self._compile_all(now, bar=self.progress)
+        self._count_at_ready()
         self.gate.start()
         self._background = threading.Thread(target=self._compile_rest, args=(rest,), name="precompile", daemon=True)
         self._background.start()
         return seconds
+
+    def _count_at_ready(self) -> None:
+        if self.exe_cache is not None:
+            self.cache_counts_at_ready = (self.exe_cache.hits, self.exe_cache.misses)
 
     def _compile_all(self, keys: list[BucketKey], *, bar: bool, workers: int | None = None) -> float:
         start = time.perf_counter()
@@ -246,8 +255,8 @@ class StepCompiler:
             while pending:
                 key = self.gate.wait_next(pending)
                 pending.remove(key)
-                lost = self.gate.loss_s[key]
-                why = f"steps lost {lost:.1f}s padding up for it" if lost >= self.gate.cost(key) else "engine idle"
+                why = f"steps lost {self.gate.loss_s[key]:.1f}s padding up for it" if self.gate.due(key) else \
+                    "engine idle"
                 seconds = self._compile_all([key], bar=False, workers=1)
                 if self.progress:
                     sys.stderr.write(f"[dsv41-jax] background: {key!r} compiled in {seconds:.1f}s ({why})\n")

@@ -11,6 +11,7 @@ import dsv41
 from dsv41.bounded import bounded_logits
 from dsv41.config import load_config
 from serving.runtime.config import RuntimeConfig
+from serving.runtime.exe_cache import ExecutableCacheSettings
 from serving.runtime.runner import Runner
 from serving.runtime.programs import Program
 from tests.full_logits import full_logits
@@ -133,11 +134,14 @@ def test_replay_on_prefix_hit_equals_bounded_reference(model, bounded):
     assert _max_err(got, cold, rows=range(300, 310)) > 1e-3  # the bounded replay is approximate: the test can fail
 
 
-def test_background_compile_serves_padded_until_its_bucket_is_ready(model):
+@pytest.mark.filterwarnings("ignore:no program is kept in the executable cache")  # this process runs JAX's cache
+def test_background_compile_serves_padded_until_its_bucket_is_ready(model, tmp_path):
     """precompile(background=True) returns once the essential buckets are compiled - the largest, and the one a decode
     of every slot takes - : a 12-token step runs padded to them, then on its own bucket once the background thread
-    is done - the same logits either way."""
-    r = Runner(model, RuntimeConfig(**{**RC, "token_buckets": (8, 16, 64)}, swa_bounded_replay=False), progress=False)
+    is done - the same logits either way. The banner's executable-cache counts are those of the programs compiled
+    before ready, whatever the background has looked up since."""
+    r = Runner(model, RuntimeConfig(**{**RC, "token_buckets": (8, 16, 64)}, swa_bounded_replay=False), progress=False,
+               executable_cache=ExecutableCacheSettings(tmp_path))
     compiler = r.compiler
     compiler.gate.idle_s = 0.0  # no engine here: compile the rest at once
     compiler.precompile(background=True)
@@ -150,6 +154,8 @@ def test_background_compile_serves_padded_until_its_bucket_is_ready(model):
     early = d.step({"a": 12})["a"]  # whichever compiled bucket >= 12 is ready now (64 at the latest)
     compiler._background.join()
     assert compiler.background_done and set(compiler.compiled_keys) == set(compiler.bucket_keys())
+    assert compiler.cache_counts_at_ready == (0, len(essential))
+    assert (compiler.exe_cache.hits, compiler.exe_cache.misses) == (0, len(compiler.bucket_keys()))
     assert compiler.all_compiled_at is not None
     assert compiler.fit(Program.SEGMENT1, 12, r.buckets.tokens) == 16
     late = d.step({"a": 12})["a"]
