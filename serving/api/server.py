@@ -66,7 +66,7 @@ class ServerArgs:
                 "compile in a background thread, steps padding up meanwhile (on a CPU each waits until the server "
                 "idles or padding has cost its compile time); off: compile every bucket before ready"})
     keep_host_memory: bool = field(default=True, metadata={
-        "help": "glibc malloc keeps the host memory XLA:CPU steps free (one arena, no mmap, no trim) instead of "
+        "help": "glibc malloc keeps the host memory XLA:CPU steps free (no mmap, no trim) instead of "
                 "returning it and faulting it in again each step (8 x 512-token prefill ~13% faster); the process "
                 "holds its peak host memory (`serving.runtime.host_memory`)"})
     disable_access_log: bool = field(default=False, metadata={"help": "no log line per HTTP request"})

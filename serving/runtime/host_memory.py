@@ -4,8 +4,12 @@ XLA:CPU mallocs each step's buffers and frees them after it. glibc hands large b
 above a threshold, trimming of the heap top, per-thread arenas), so the next step faults every page in again, 4 KiB
 at a time, zeroed by the kernel: a [4096, 256] x [256, 4096] float32-out product faults its 64 MiB output in on
 each call, and both that product and a peer checkpoint's prefill step run faster with the memory kept
-(docs/design/measurements.md). One arena, no mmap and no trimming keep it, as the caching allocators of GPU
-frameworks do: the process holds its peak host memory.
+(docs/design/measurements.md). No mmap and no trimming keep it, as the caching allocators of GPU frameworks do:
+the process holds its peak host memory.
+
+Each thread keeps its own arenas (glibc's default count). One arena for the process would also keep the rare
+block larger than a thread arena's 64 MiB heap, which glibc maps and unmaps whatever M_MMAP_MAX says, but XLA's
+compile threads then queue on its lock, and a cold start compiles much longer (docs/design/measurements.md).
 
 It must be set before JAX starts its CPU backend: the backend's threads keep the arenas they were given (set
 after, it left the prefill step unchanged).
@@ -18,11 +22,11 @@ import ctypes.util
 import sys
 
 # glibc <malloc.h>
-M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
 
 
 def keep_freed_memory() -> str | None:
-    """Set glibc malloc to keep freed memory (one arena, no mmap, no trim): None when done, else why not."""
+    """Set glibc malloc to keep freed memory (no mmap, no trim): None when done, else why not."""
     if "jax" in sys.modules:
         from jax._src import xla_bridge
 
@@ -36,7 +40,7 @@ def keep_freed_memory() -> str | None:
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return "not glibc malloc"
-    for param, value in ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, -1)):  # -1: never trim (mallopt(3))
+    for param, value in ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, -1)):  # -1: never trim (mallopt(3))
         if mallopt(param, value) != 1:
             return f"mallopt({param}, {value}) failed"
     return None
