@@ -26,6 +26,21 @@ def model():
     return dsv41.random_model("tiny", seed=3)
 
 
+@pytest.fixture(scope="module")
+def engines(model):
+    """tiny's engines by (bounded replay, speculative config or None), built once for the module: each build
+    compiles its programs, and the tests below leave an engine idle with every block free."""
+    built = {}
+
+    def get(replay: bool = True, spec: str | None = None) -> Engine:
+        if (replay, spec) not in built:
+            kw = {} if spec is None else {"speculative_config": spec}
+            built[replay, spec] = Engine(model, None, _args(model, swa_bounded_replay=replay, **kw), progress=False)
+        return built[replay, spec]
+
+    return get
+
+
 def _args(model, **kw):
     """12 KV blocks of 8 tokens: two 44-token requests fit, three preempt (as tests/serving/engine/test_engine.py)."""
     probe = CacheLayout(model.config, 1, 8, 4, "auto", "float32", model.config.num_nextn_predict_layers)
@@ -42,9 +57,8 @@ def _metric(engine, name):
 
 
 @pytest.mark.parametrize("replay", [False, True], ids=["replay-off", "bounded-replay"])
-def test_greedy_speculative_equals_plain_alone_batched_preempted(model, replay):
-    plain = Engine(model, None, _args(model, swa_bounded_replay=replay), progress=False)
-    spec = Engine(model, None, _args(model, swa_bounded_replay=replay, speculative_config=SPEC), progress=False)
+def test_greedy_speculative_equals_plain_alone_batched_preempted(engines, replay):
+    plain, spec = engines(replay), engines(replay, SPEC)
     prompts = [_prompt(s) for s in range(3)]
     for eng in (plain, spec):
         eng.outs = [_serve(eng, [p], GREEDY) for p in prompts]
@@ -70,9 +84,9 @@ def test_greedy_speculative_equals_plain_alone_batched_preempted(model, replay):
     assert spec.hit == plain.hit
 
 
-def test_seeded_sampling_and_stop_conditions_with_speculation(model):
+def test_seeded_sampling_and_stop_conditions_with_speculation(engines):
     """Sampled requests run through rejection sampling to their exact lengths; EOS banned until min_tokens."""
-    spec = Engine(model, None, _args(model, speculative_config=SPEC), progress=False)
+    spec = engines(spec=SPEC)
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=17, min_tokens=5, logprobs=0)
     toks, lps = _serve(spec, [_prompt(s) for s in range(2)], params)
     for t, lp in zip(toks, lps):
@@ -172,17 +186,18 @@ def _metric_label(engine, name, label):
     raise AssertionError(f"{name}{{{label}}} not exported")
 
 
-def test_top_logprobs_are_computed_when_asked_with_and_without_speculation(model):
+def test_top_logprobs_are_computed_when_asked_with_and_without_speculation(engines):
     """A request asking for 3 top logprobs, batched with one that asks for none (the device computes them only in a
     step where some row asks): plain and speculative engines give the same top entries; each lists the most likely
     tokens in order, the chosen token's logprob matching its entry where it is among them."""
     asks = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
     silent = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     tops = []
-    for kw in ({}, {"speculative_config": SPEC}):
-        eng = Engine(model, None, _args(model, **kw), progress=False)
-        eng.add_request("a", _prompt(1), asks)
-        eng.add_request("s", _prompt(2), silent)
+    for eng in (engines(), engines(spec=SPEC)):
+        # prompts no earlier test served: no prefix hit, whose bounded replay would move the logits differently
+        # in the two engines (their caches hold what each served before)
+        eng.add_request("a", _prompt(21), asks)
+        eng.add_request("s", _prompt(22), silent)
         got = {"a": [], "s": []}
         while eng.has_unfinished():
             for o in eng.step():
