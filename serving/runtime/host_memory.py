@@ -11,8 +11,9 @@ Each thread keeps its own arenas (glibc's default count). One arena for the proc
 block larger than a thread arena's 64 MiB heap, which glibc maps and unmaps whatever M_MMAP_MAX says, but XLA's
 compile threads then queue on its lock, and a cold start compiles much longer (docs/design/measurements.md).
 
-It must be set before JAX starts its CPU backend: the backend's threads keep the arenas they were given (set
-after, it left the prefill step unchanged).
+It is set before JAX starts its CPU backend, where it was measured to help: set after, when it still limited the
+arenas, it left the prefill step unchanged (the backend's threads kept the arenas they had). The two settings kept
+now are read at each malloc and free; a later setting was not measured again.
 """
 
 from __future__ import annotations
