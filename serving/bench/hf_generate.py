@@ -29,6 +29,9 @@ import time
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
+# Run as a script, this folder is sys.path[0], and its modules would shadow the packages transformers probes for
+# (kernels.py here for HF's `kernels`: the probe imported it, and with it jax); the siblings it needs load by path.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 
 def _load_sibling(name: str):

@@ -37,6 +37,20 @@ def test_workload_import_needs_no_jax_and_matches_serve_prompts():
     assert got["outputs"] == [s.turns[0].output_len for s in sessions]
 
 
+def test_run_as_a_script_its_folder_shadows_no_package():
+    """Run as a script its folder is sys.path[0]: transformers' probe for HF's `kernels` package imported
+    serving/bench/kernels.py (and jax with it) until the folder was taken off the path."""
+    probe = ("import importlib.util, json, runpy, sys\n"
+             "sys.path.insert(0, sys.argv[1].rsplit('/', 1)[0])\n"  # what `python hf_generate.py` does
+             "runpy.run_path(sys.argv[1], run_name='probe')\n"
+             "spec = importlib.util.find_spec('kernels')\n"
+             "print(json.dumps(spec and spec.origin))")
+    out = subprocess.run([sys.executable, "-c", probe, str(HF_GENERATE)], capture_output=True, text=True, check=True,
+                         timeout=120)
+    origin = json.loads(out.stdout.splitlines()[-1])
+    assert origin is None or Path(origin).parent != HF_GENERATE.parent, origin
+
+
 def test_hf_generate_runs_the_workload_on_a_v4_checkpoint(tmp_path, oracle_python):
     if not oracle_python:
         pytest.skip("pass --oracle-python=PYTHON (torch 2.13 + transformers 5.24) to run HF generate")
