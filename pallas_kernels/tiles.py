@@ -80,9 +80,17 @@ def map_tiles(fn, tiles: QueryTiles):
     group_fn = jax.vmap(fn)
 
     def group(i_G):
-        def skip(i_G):
-            return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(group_fn, i_G))
-        return jax.lax.cond(i_G[0] < used, group_fn, skip, i_G)
+        traced = []  # the run branch's output shapes: skip needs them, and fn is the dearest thing to trace
+
+        def run(i_G):
+            out = group_fn(i_G)
+            traced.append(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), out))
+            return out
+
+        def skip(i_G):  # lax.cond traces its true branch first; should that change, fn is traced again here
+            shapes = traced[0] if traced else jax.eval_shape(group_fn, i_G)
+            return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+        return jax.lax.cond(i_G[0] < used, run, skip, i_G)
 
     full = NT // G
     outs = [jax.tree.map(lambda a: a.reshape(full * G, *a.shape[2:]),

@@ -16,6 +16,13 @@ step's seconds: from its plan to the next one's, while the engine stayed busy. T
 (its rows cost microseconds against the segments' milliseconds); its programs compile when the engine idles. A
 program's compile seconds are those measured for its family (the same `Program`) in this process, else any
 program's, else `DEFAULT_COMPILE_S`.
+
+One exception to renting: the segments' decode bucket of every slot (`decode_buckets`), which the server is ready
+without (`StepCompiler.essential_keys`), is bought the first time a step of more requests than the few-row decode
+bucket holds (`few_rows`) fits it and pads up past it: such a decode runs at a prefill-sized program's cost, step
+after step while its requests decode, and renting would have it wait out its whole compile time in padding first
+(measured: docs/benchmarks/startup.md). A step of fewer requests (a prompt's last small chunk beside a few decodes)
+rents as before.
 """
 
 from __future__ import annotations
@@ -52,6 +59,9 @@ class BackgroundGate:
         self.idle_s, self.clock = idle_s, clock
         self.busy: Callable[[], bool] = lambda: False
         self.loss_s: dict[BucketKey, float] = defaultdict(float)  # padding seconds lost for want of each program
+        self.decode_buckets: dict[Program, int] = {}  # per segment: the size of its decode bucket of every slot
+        self.few_rows = 0  # the requests the essential few-row decode bucket holds
+        self.urgent: set[BucketKey] = set()  # decode buckets of every slot a step has padded up past
         self._compile_s: dict[Program, list[float]] = defaultdict(list)
         self._last_busy = -math.inf
         self._step: _Step | None = None  # the step planned last
@@ -60,8 +70,9 @@ class BackgroundGate:
         self._lock = threading.Lock()  # the compile times: written by one thread, read by both
 
     # ------------------------------------------------------------ the serving thread
-    def planned(self, program: Program, wanted: int, used: int) -> None:
-        """A step runs `program` at size `used` (compiled) for `wanted` (its own bucket). Segment 1 opens a step."""
+    def planned(self, program: Program, wanted: int, used: int, requests: int = 0) -> None:
+        """A step of `requests` requests (on its busiest rank) runs `program` at size `used` (compiled) for `wanted`
+        (its own bucket). Segment 1 opens a step."""
         if program is Program.SEGMENT1:
             now = self.clock()
             if self._step is not None and not self._idle_seen:
@@ -69,6 +80,10 @@ class BackgroundGate:
             self._step, self._last_busy, self._idle_seen = _Step(now), now, False
         if program in SEGMENTS and self._step is not None and used != wanted:
             self._step.padded.append((program.at(wanted), (used - wanted) / used))
+            slots = self.decode_buckets.get(program)
+            if requests > self.few_rows and slots is not None and wanted <= slots < used:
+                self.urgent.add(program.at(slots))
+                self._wake.set()
 
     def _close(self, step: _Step, seconds: float) -> None:
         for key, fraction in step.padded:
@@ -95,8 +110,8 @@ class BackgroundGate:
         return sum(pick) / len(pick) if pick else DEFAULT_COMPILE_S
 
     def due(self, key: BucketKey) -> bool:
-        """Whether the steps' padding for want of `key` has cost its compile."""
-        return self.loss_s[key] >= self.cost(key)
+        """Whether the steps' padding for want of `key` has cost its compile, or it is an urgent decode bucket."""
+        return key in self.urgent or self.loss_s[key] >= self.cost(key)
 
     def idle(self) -> bool:
         if self.busy():

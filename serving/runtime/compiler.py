@@ -4,8 +4,8 @@ kernels, the step programs (`programs.StepPrograms`) and each bucket's executabl
 Buckets: segment 1 by the step's token count, segment 2 by its kept-row count (the CED trimming), the sampler (or
 the speculative programs) by its requests. Every bucket is compiled ahead of time (`precompile`, with a progress
 bar, one program per core at a time): all of them, or with `background` the essential ones first (the largest of
-each family, and the segments at a decode step of every slot and of 8 rows) and the rest in a daemon thread, a step
-whose own bucket is not ready meanwhile running padded to one that is. The serving loop never compiles: a step whose
+each family, and the segments at a decode step of 8 rows) and the rest in a daemon thread, a step whose own bucket
+is not ready meanwhile running padded to one that is. The serving loop never compiles: a step whose
 bucket is missing raises `CompileInServingLoop`. Programs are loaded from and saved to the executable cache
 (`serving.runtime.exe_cache`) the moment each is compiled, background ones included.
 
@@ -118,6 +118,10 @@ class StepCompiler:
         self._background: threading.Thread | None = None
         self._not_cached: set[BucketKey] = set()  # looked up in the executable cache, and not there
         self.gate = BackgroundGate()  # when the background thread may compile beside the steps (a CPU backend)
+        slots = min(rc.max_num_seqs, self.buckets.tokens[-1])
+        self.gate.decode_buckets = {Program.SEGMENT1: self.buckets.token_bucket(slots),
+                                    Program.SEGMENT2: self.buckets.kept_bucket(slots)}
+        self.gate.few_rows = min(FEW_ROWS, rc.max_num_seqs)
         self.all_compiled_at: float | None = None  # time.perf_counter() when the last bucket was ready
         # (loaded, compiled) of the programs `precompile` handled before it returned (the background's come later)
         self.cache_counts_at_ready: tuple[int, int] | None = None
@@ -148,29 +152,30 @@ class StepCompiler:
 
     def essential_keys(self) -> list[BucketKey]:
         """The buckets compiled before the server is ready: the largest of each family (any step can pad up to it),
-        and the segments' buckets that hold a decode step of every slot (so no decode step pads up to a
-        prefill-sized program) and of `FEW_ROWS` rows (what padding a decode costs: docs/design/measurements.md,
-        "Token buckets"; the background compiles the rest when the engine idles or their padding has cost their
-        compile)."""
+        and the segments' buckets that hold a decode step of `FEW_ROWS` rows (what padding a decode costs:
+        docs/design/measurements.md, "Token buckets"). The background compiles the rest when the engine idles or
+        their padding has cost their compile - the decode buckets of every slot at once, when a decode of more
+        requests first pads up past them (`BackgroundGate.decode_buckets`): ready sooner for the few-request
+        decodes, one compile later for the many-request ones (docs/benchmarks/startup.md)."""
         largest: dict[Program, BucketKey] = {}
         for key in self.bucket_keys():  # each family's keys in ascending size
             largest[key.program] = key
         out = list(largest.values())
-        for rows in (min(self.rc.max_num_seqs, self.buckets.tokens[-1]), min(FEW_ROWS, self.rc.max_num_seqs)):
-            for key in (Program.SEGMENT1.at(self.buckets.token_bucket(rows)),
-                        Program.SEGMENT2.at(self.buckets.kept_bucket(rows))):
-                if key not in out:
-                    out.append(key)
+        rows = min(FEW_ROWS, self.rc.max_num_seqs)
+        for key in (Program.SEGMENT1.at(self.buckets.token_bucket(rows)),
+                    Program.SEGMENT2.at(self.buckets.kept_bucket(rows))):
+            if key not in out:
+                out.append(key)
         return out
 
-    def fit(self, program: Program, n: int, sizes: Sequence[int]) -> int:
+    def fit(self, program: Program, n: int, sizes: Sequence[int], requests: int = 0) -> int:
         """The smallest size >= n whose bucket of `program` is compiled; the smallest that fits if none is (the
-        step then fails with CompileInServingLoop)."""
+        step then fails with CompileInServingLoop). `requests`: the step's on its busiest rank (for `gate`)."""
         fits = [b for b in sizes if b >= n]
         if not fits:
             raise ValueError(f"{n} tokens exceed the largest token bucket {sizes[-1]}")
         used = next((b for b in fits if program.at(b) in self._exe), fits[0])
-        self.gate.planned(program, fits[0], used)
+        self.gate.planned(program, fits[0], used, requests)
         return used
 
     def executable(self, key: BucketKey) -> jax.stages.Compiled:
@@ -255,8 +260,8 @@ class StepCompiler:
             while pending:
                 key = self.gate.wait_next(pending)
                 pending.remove(key)
-                why = f"steps lost {self.gate.loss_s[key]:.1f}s padding up for it" if self.gate.due(key) else \
-                    "engine idle"
+                why = "a decode step padded up past it" if key in self.gate.urgent else \
+                    f"steps lost {self.gate.loss_s[key]:.1f}s padding up for it" if self.gate.due(key) else "engine idle"
                 seconds = self._compile_all([key], bar=False, workers=1)
                 if self.progress:
                     sys.stderr.write(f"[dsv41-jax] background: {key!r} compiled in {seconds:.1f}s ({why})\n")

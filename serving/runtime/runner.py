@@ -196,9 +196,9 @@ class Runner:
         """The step's batch on the smallest compiled buckets that hold its busiest rank."""
         by_rank, where = self._builder.split(chunks)
         tokens, kept = self._builder.demand(by_rank)
-        b = self.buckets
-        return self._builder.build(by_rank, where, self.compiler.fit(Program.SEGMENT1, tokens, b.tokens),
-                                   self.compiler.fit(Program.SEGMENT2, kept, b.kept))
+        b, requests = self.buckets, max(len(r) for r in by_rank)
+        return self._builder.build(by_rank, where, self.compiler.fit(Program.SEGMENT1, tokens, b.tokens, requests),
+                                   self.compiler.fit(Program.SEGMENT2, kept, b.kept, requests))
 
     def _segments(self, built: BuiltStep, prev: LaunchedStep | None = None) -> SegmentsOnDevice:
         batch = built.batch

@@ -31,6 +31,22 @@ def test_map_tiles_runs_every_tile_with_rows_and_skips_padding_groups(qlen, requ
     np.testing.assert_array_equal(out[first_skipped:], 0.0)  # not evaluated (fn would have marked them)
 
 
+@pytest.mark.parametrize("n_tiles, traces", [(2 * TILE_GROUP, 1), (2 * TILE_GROUP + 3, 2)])
+def test_map_tiles_traces_fn_once_per_group_shape(n_tiles, traces):
+    """fn (a layer's attention or indexer tile: the dearest part of a segment program to trace) is traced once for
+    the loop's groups and once more only for a trailing partial group - not again for the skipped groups' zeros."""
+    tiles = plan_tiles(np.array([0]), np.array([40]), 8, n_tiles)
+    jt = jax.tree.map(jnp.asarray, tiles)
+    calls = []
+
+    def fn(i):
+        calls.append(i)
+        return _fn(jt)(i)
+
+    jax.make_jaxpr(lambda: map_tiles(fn, jt))()
+    assert len(calls) == traces
+
+
 def test_to_flat_rows_reads_only_the_tiles_with_rows():
     size, qlen = 4, np.array([6, 3])
     tiles = plan_tiles(np.array([0, 6]), qlen, size, max_tiles(9, 8, size))

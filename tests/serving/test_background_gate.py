@@ -86,3 +86,25 @@ def test_an_idle_gap_is_not_a_steps_seconds():
     assert gate.loss_s[S2.at(8)] == 0.0
     _step(gate, clock, 0.040)
     assert gate.loss_s[S2.at(8)] == pytest.approx(0.040 / 2 * 0.75)
+
+
+def test_the_decode_bucket_of_every_slot_is_bought_when_a_many_request_step_first_pads_past_it():
+    """The server is ready without the segments' decode buckets of every slot; the first step of more requests than
+    the few-row bucket holds that fits one and pads up past it makes it due at once (no renting). Not so a step of
+    few requests (a prompt's last small chunk beside decodes), one on its own bucket, or one too large for it."""
+    gate, clock, _ = _gate()
+    gate.decode_buckets, gate.few_rows = {S1: 32, S2: 32}, 8
+    pending = [S1.at(16), S1.at(32), S2.at(32), S1.at(128)]
+
+    def step(s1, s2, requests):
+        gate.planned(S1, *s1, requests)
+        gate.planned(S2, *s2, requests)
+        clock.t += 0.05
+
+    step((8, 8), (8, 8), 8)  # a few-row decode on its own bucket
+    step((14, 512), (14, 512), 8)  # a last chunk of 7 tokens beside 7 decodes, padded up: rented
+    step((128, 512), (128, 512), 12)  # a prefill padded up: rented
+    assert gate.choose(pending) is None and not gate.urgent
+    step((16, 512), (32, 512), 16)  # 16 decodes and their kept rows pad up to the prefill bucket
+    assert gate.urgent == {S1.at(32), S2.at(32)}
+    assert gate.choose(pending) in (S1.at(32), S2.at(32)) and not gate.due(S1.at(16))
