@@ -55,12 +55,14 @@ class BackgroundGate:
     each program a step runs (`planned`: the size it wanted, the size it got); `busy` (set by the engine) says
     whether there is work."""
 
-    def __init__(self, *, idle_s: float = IDLE_S, clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, *, idle_s: float = IDLE_S, clock: Callable[[], float] = time.perf_counter,
+                 decode_buckets: dict[Program, int] | None = None, few_rows: int = 0):
+        """`decode_buckets`: per segment, the size of its decode bucket of every slot; `few_rows`: the requests the
+        essential few-row decode bucket holds (a step of more that pads up past a decode bucket makes it urgent)."""
         self.idle_s, self.clock = idle_s, clock
+        self.decode_buckets, self.few_rows = dict(decode_buckets or {}), few_rows
         self.busy: Callable[[], bool] = lambda: False
         self.loss_s: dict[BucketKey, float] = defaultdict(float)  # padding seconds lost for want of each program
-        self.decode_buckets: dict[Program, int] = {}  # per segment: the size of its decode bucket of every slot
-        self.few_rows = 0  # the requests the essential few-row decode bucket holds
         self.urgent: set[BucketKey] = set()  # decode buckets of every slot a step has padded up past
         self._compile_s: dict[Program, list[float]] = defaultdict(list)
         self._last_busy = -math.inf

@@ -117,11 +117,11 @@ class StepCompiler:
         self._exe: dict[BucketKey, jax.stages.Compiled] = {}  # filled by precompile (and its background thread)
         self._background: threading.Thread | None = None
         self._not_cached: set[BucketKey] = set()  # looked up in the executable cache, and not there
-        self.gate = BackgroundGate()  # when the background thread may compile beside the steps (a CPU backend)
         slots = min(rc.max_num_seqs, self.buckets.tokens[-1])
-        self.gate.decode_buckets = {Program.SEGMENT1: self.buckets.token_bucket(slots),
-                                    Program.SEGMENT2: self.buckets.kept_bucket(slots)}
-        self.gate.few_rows = min(FEW_ROWS, rc.max_num_seqs)
+        # when the background thread may compile beside the steps (a CPU backend)
+        self.gate = BackgroundGate(decode_buckets={Program.SEGMENT1: self.buckets.token_bucket(slots),
+                                                   Program.SEGMENT2: self.buckets.kept_bucket(slots)},
+                                   few_rows=min(FEW_ROWS, rc.max_num_seqs))
         self.all_compiled_at: float | None = None  # time.perf_counter() when the last bucket was ready
         # (loaded, compiled) of the programs `precompile` handled before it returned (the background's come later)
         self.cache_counts_at_ready: tuple[int, int] | None = None

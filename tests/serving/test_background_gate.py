@@ -92,8 +92,9 @@ def test_the_decode_bucket_of_every_slot_is_bought_when_a_many_request_step_firs
     """The server is ready without the segments' decode buckets of every slot; the first step of more requests than
     the few-row bucket holds that fits one and pads up past it makes it due at once (no renting). Not so a step of
     few requests (a prompt's last small chunk beside decodes), one on its own bucket, or one too large for it."""
-    gate, clock, _ = _gate()
-    gate.decode_buckets, gate.few_rows = {S1: 32, S2: 32}, 8
+    clock = Clock()
+    gate = BackgroundGate(idle_s=1.0, clock=clock, decode_buckets={S1: 32, S2: 32}, few_rows=8)
+    gate.busy = lambda: True
     pending = [S1.at(16), S1.at(32), S2.at(32), S1.at(128)]
 
     def step(s1, s2, requests):
