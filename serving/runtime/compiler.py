@@ -260,8 +260,9 @@ class StepCompiler:
             while pending:
                 key = self.gate.wait_next(pending)
                 pending.remove(key)
+                lost = f"steps lost {self.gate.loss_s[key]:.1f}s padding up for it"
                 why = "a decode step padded up past it" if key in self.gate.urgent else \
-                    f"steps lost {self.gate.loss_s[key]:.1f}s padding up for it" if self.gate.due(key) else "engine idle"
+                    lost if self.gate.due(key) else "engine idle"
                 seconds = self._compile_all([key], bar=False, workers=1)
                 if self.progress:
                     sys.stderr.write(f"[dsv41-jax] background: {key!r} compiled in {seconds:.1f}s ({why})\n")

@@ -137,9 +137,9 @@ def test_replay_on_prefix_hit_equals_bounded_reference(model, bounded):
 @pytest.mark.filterwarnings("ignore:no program is kept in the executable cache")  # this process runs JAX's cache
 def test_background_compile_serves_padded_until_its_bucket_is_ready(model, tmp_path):
     """precompile(background=True) returns once the essential buckets are compiled - the largest, and the one a decode
-    of every slot takes here (max_num_seqs 4 <= compiler.FEW_ROWS) - : a 12-token step runs padded to them, then on its own bucket once the background thread
-    is done - the same logits either way. The banner's executable-cache counts are those of the programs compiled
-    before ready, whatever the background has looked up since."""
+    of every slot takes here (max_num_seqs 4 <= compiler.FEW_ROWS) - : a 12-token step runs padded to them, then on
+    its own bucket once the background thread is done - the same logits either way. The banner's executable-cache
+    counts are those of the programs compiled before ready, whatever the background has looked up since."""
     r = Runner(model, RuntimeConfig(**{**RC, "token_buckets": (8, 16, 64)}, swa_bounded_replay=False), progress=False,
                executable_cache=ExecutableCacheSettings(tmp_path))
     compiler = r.compiler

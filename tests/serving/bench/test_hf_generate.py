@@ -40,8 +40,8 @@ def test_workload_import_needs_no_jax_and_matches_serve_prompts():
 def test_run_as_a_script_its_folder_shadows_no_package():
     """Run as a script its folder is sys.path[0]: transformers' probe for HF's `kernels` package imported
     serving/bench/kernels.py (and jax with it) until the folder was taken off the path."""
-    probe = ("import importlib.util, json, runpy, sys\n"
-             "sys.path.insert(0, sys.argv[1].rsplit('/', 1)[0])\n"  # what `python hf_generate.py` does
+    probe = ("import importlib.util, json, os, runpy, sys\n"
+             "sys.path.insert(0, os.path.dirname(sys.argv[1]))\n"  # what `python hf_generate.py` does
              "runpy.run_path(sys.argv[1], run_name='probe')\n"
              "spec = importlib.util.find_spec('kernels')\n"
              "print(json.dumps(spec and spec.origin))")
