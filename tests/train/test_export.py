@@ -2,8 +2,10 @@
 
 import json
 import lzma
+import shutil
 
 import numpy as np
+import pytest
 
 import dsv41
 from dsv41 import checkpoint, nano
@@ -31,21 +33,30 @@ def _fake_run(tmp_path):
     return run, data, model
 
 
-def test_export_writes_release_formats_equal_to_the_quantized_parameters(tmp_path):
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A fake run exported once for the module (an export compiles and evaluates the model): the run's folder, the
+    prepared data, the model, the export's folder and its report."""
+    tmp_path = tmp_path_factory.mktemp("export")
     run, data, model = _fake_run(tmp_path)
     report = export(run, tmp_path / "out", data, eval_windows_n=1, seq_len=128)
+    return run, data, model, tmp_path / "out", report
+
+
+def test_export_writes_release_formats_equal_to_the_quantized_parameters(exported):
+    _, _, model, out, report = exported
     check = report["check_release_vs_quantized_params"]
     assert check["max_abs_param_diff"] == 0.0 and check["max_abs_logit_diff"] == 0.0
-    entries = open_checkpoint(tmp_path / "out")
+    entries = open_checkpoint(out)
     assert entries["layers.3.attn.wo_b.weight"].dtype == "F8_E4M3" and entries["layers.3.ffn.experts.1.w2.weight"].dtype == "I8"
     # the quantization moved the weights (so the zero above compares something), but only by its resolution
-    exported = dsv41.load(tmp_path / "out", weights="dequantize")
+    loaded = dsv41.load(out, weights="dequantize")
     path = ("layers", 3, "attn", "wo_b", "weight")
-    w, q = np.asarray(model.params[path]), np.asarray(exported.params[path])
+    w, q = np.asarray(model.params[path]), np.asarray(loaded.params[path])
     assert 0 < np.abs(w - q).max() <= np.abs(w).max() / 8  # e4m3: 3 mantissa bits
     assert report["run"] == "run"  # the folder's name: a committed report names no machine path
-    assert report["heldout"]["ppl_exported_release"] > 0 and (tmp_path / "out" / "export.json").is_file()
-    assert np.array_equal(nano.heldout_tokens(tmp_path / "out"), nano.heldout_tokens())
+    assert report["heldout"]["ppl_exported_release"] > 0 and (out / "export.json").is_file()
+    assert np.array_equal(nano.heldout_tokens(out), nano.heldout_tokens())
 
 
 def test_export_names_what_is_missing(tmp_path, capsys):
@@ -57,14 +68,14 @@ def test_export_names_what_is_missing(tmp_path, capsys):
         raise AssertionError("no error")
 
 
-def test_drafter_only_replaces_the_dspark_tensors_and_keeps_every_other_byte(tmp_path):
+def test_drafter_only_replaces_the_dspark_tensors_and_keeps_every_other_byte(exported, tmp_path):
     """A drafter-only run (another random model standing in) spliced into a folder: its `mtp.*` tensors are those
     of its own full export, every other tensor the folder's, byte for byte; and the trainer's `init_from` reads
     such a folder back as float32 parameters (FP8 Engram rows decoded)."""
     from dsv41.train.loop import _graph, checkpoint_params
 
-    run, data, _ = _fake_run(tmp_path)
-    export(run, tmp_path / "out", data, eval_windows_n=1, seq_len=128)
+    run, data, _, out, _ = exported
+    shutil.copytree(out, tmp_path / "out")  # the splice writes into the folder: a copy of the module's export
     before = {n: np.array(e.read()) for n, e in open_checkpoint(tmp_path / "out").items()}
     c = dsv41.load_config("nano")
     other = dsv41.Model(c, random_params(c, abstract_params(c)[1], 2), token_map=dsv41.load(nano.NANO_DIR).token_map)

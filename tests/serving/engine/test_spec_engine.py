@@ -132,10 +132,15 @@ def test_nano_min_tokens_verifies_drafts_under_the_ban(nano):
     stop_ids = [max(set(out), key=out.count) for out in firsts]
     drafts_before = _metric(spec, "vllm:spec_decode_num_draft_tokens_total")
     got = []
-    for eng in (plain, spec):
-        outs = [_serve(eng, [p], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, min_tokens=12,
-                                                stop_token_ids=[t]))[0][0] for p, t in zip(prompts, stop_ids)]
-        got.append(outs)
+    for eng in (plain, spec):  # the four requests in one batch, each with its own stop id
+        for i, (p, t) in enumerate(zip(prompts, stop_ids)):
+            eng.add_request(f"m{i}", p, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, min_tokens=12,
+                                                       stop_token_ids=[t]))
+        outs = {f"m{i}": [] for i in range(len(prompts))}
+        while eng.has_unfinished():
+            for o in eng.step():
+                outs[o.request_id] += o.new_token_ids
+        got.append([outs[f"m{i}"] for i in range(len(prompts))])
     assert got[1] == got[0]
     assert any(t in out[:12] for out, t in zip(firsts, stop_ids)), "some stop id falls inside min_tokens when free"
     assert all(t not in out[:12] for out, t in zip(got[0], stop_ids))
