@@ -77,6 +77,8 @@ def scope_path(op_name: str, module: str = "") -> list[str]:
     parts = op_name.split("/")
     names = []
     for p in parts[1:-1]:
+        if p.startswith("jit(") and p.endswith(")"):  # a nested jit (segment 1's rows): the scopes go on inside it
+            continue
         if not _IDENT.fullmatch(p):
             break
         names.append(p)

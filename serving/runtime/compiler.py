@@ -41,7 +41,7 @@ from serving.runtime.config import RuntimeConfig
 from serving.runtime.exe_cache import ExecutableCache, ExecutableCacheSettings, arg_tree
 from serving.runtime.kv_cache import CacheLayout
 from serving.runtime.moe_tuning import bucket_kernels, runtime_kernels, small_steps, stored
-from serving.runtime.programs import BucketKey, ModelGraph, Program, StepPrograms, build_programs
+from serving.runtime.programs import BucketKey, ModelGraph, Program, StepPrograms, build_programs, segment1_rows
 from serving.runtime.sampler import sampling_arrays
 from serving.runtime.speculative import SpeculativeConfig
 from serving.runtime.step import PackedBatch
@@ -108,12 +108,13 @@ class StepCompiler:
              placement and (placement.mesh.shape_tuple, [d.id for d in self.devices]))))
         self.cache_spec = self._global(self.layout.shapes(), cache=True)
         self.constant_specs = tuple(_spec(a) for a in segment1_constants)
+        self._rows = None if placement else segment1_rows(self.layout, rc, expert_counts)  # one device only
         self.carry_shapes = self._carry_shapes(model, rc, expert_counts, leaves)  # one rank's
         self.carry_spec = self._global(self.carry_shapes)
         self.programs: StepPrograms = build_programs(
             self.layout, rc, param_specs=self.param_specs, sample_rows_per_rank=self.sample_rows,
             expert_counts=expert_counts, spec=self.spec, verify_rows=self.verify_rows, placement=placement,
-            cache=self.cache_spec, carry=self.carry_spec)
+            cache=self.cache_spec, carry=self.carry_spec, rows_fn=self._rows)
         self._exe: dict[BucketKey, jax.stages.Compiled] = {}  # filled by precompile (and its background thread)
         self._background: threading.Thread | None = None
         self._not_cached: set[BucketKey] = set()  # looked up in the executable cache, and not there
@@ -404,18 +405,26 @@ class StepCompiler:
     def _carry_shapes(self, model, rc: RuntimeConfig, expert_counts: bool, leaves: list[jax.Array]):
         """One rank's segment carry: segment 1's rows in a persistent buffer of the largest bucket, which segment 2
         reads, so the kept-row gather lives in segment 2 and no program is compiled per (tokens, kept rows) pair.
-        Found by tracing segment 1, or read from the executable cache."""
+        Read from the executable cache, or found by tracing segment 1 at the largest bucket: on one device through
+        `segment1_rows` with that program's own argument shapes, so the program reuses this trace (JAX keeps a
+        nested jit's trace) and a cold start traces segment 1 once per bucket; on a mesh, apart."""
         cached = self.exe_cache.get_value("carry") if self.exe_cache else None
         if cached is not None:
             return cached
-        from serving.runtime import segments  # the one trace of segment 1 outside its programs
-
         top = self.buckets.tokens[-1]
-        b1 = self.builder.rank_batch([], top, top).segment1()
-        graph = self.graph
-        shapes = jax.eval_shape(lambda lv, ca, b: segments.segment1(
-            graph.merge(lv), self.layout, ca, None, b, fake_quant=rc.fake_quant, expert_counts=expert_counts)[1],
-            leaves, self.layout.shapes(), b1)
+        if self._rows is not None:
+            packed = self._batch_spec(self.builder.example(top, top).segment1())
+            rank_batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), packed)  # as `_one_rank`
+            shapes = jax.eval_shape(self._rows, self.graph, self.param_specs, self.cache_spec, rank_batch,
+                                    *self.constant_specs)[1]
+        else:
+            from serving.runtime import segments
+
+            b1 = self.builder.rank_batch([], top, top).segment1()
+            graph = self.graph
+            shapes = jax.eval_shape(lambda lv, ca, b: segments.segment1(
+                graph.merge(lv), self.layout, ca, None, b, fake_quant=rc.fake_quant, expert_counts=expert_counts)[1],
+                leaves, self.layout.shapes(), b1)
         if self.exe_cache:
             self.exe_cache.put_value("carry", shapes)
         return shapes

@@ -195,9 +195,13 @@ def segment1(module, layout: CacheLayout, cache: KVCache, carry_buf: SegmentCarr
     counts = _counts(expert_counts, choices, rows.valid_T, module)
     if carry_buf is None:  # shape probe: the carry of this bucket
         return cache, carry, counts
+    return cache, write_carry(carry_buf, carry), counts
+
+
+def write_carry(carry_buf: SegmentCarry, carry: SegmentCarry) -> SegmentCarry:
     # Rows [0, T) of the persistent max-size buffer: segment 2's input shapes then depend on its own bucket only.
-    return cache, jax.tree.map(lambda buf, a: jax.lax.dynamic_update_slice_in_dim(buf, a.astype(buf.dtype), 0, 0),
-                               carry_buf, carry), counts
+    return jax.tree.map(lambda buf, a: jax.lax.dynamic_update_slice_in_dim(buf, a.astype(buf.dtype), 0, 0),
+                        carry_buf, carry)
 
 
 def segment2(module, layout: CacheLayout, cache: KVCache, carry_buf: SegmentCarry, batch: StepBatch, *,

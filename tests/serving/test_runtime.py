@@ -311,3 +311,19 @@ def test_prompt_logprobs_run_the_head_a_group_of_rows_at_a_time(model, monkeypat
     logp -= np.log(np.exp(logp).sum(1, keepdims=True))
     assert np.abs(rows.logprob - logp[np.arange(30), prompt[1:31]]).max() <= 1e-4
     assert (rows.top_ids[:, :2] == np.argsort(-logp, axis=1)[:, :2]).all()
+
+
+def test_the_largest_segment1_program_reuses_the_carry_probe_s_trace(model, monkeypatch):
+    """A runner finds its carry's shapes by tracing segment 1 at the largest bucket through the jitted rows function
+    its segment-1 programs call, so the largest program does not trace segment 1 again; a smaller one does."""
+    from serving.runtime import segments
+
+    traces = []
+    segment1 = segments.segment1
+    monkeypatch.setattr(segments, "segment1", lambda *a, **k: traces.append(1) or segment1(*a, **k))
+    r = Runner(model, RuntimeConfig(**RC), progress=False)
+    assert len(traces) == 1  # the probe
+    r.compiler.lower(Program.SEGMENT1.at(32))
+    assert len(traces) == 1
+    r.compiler.lower(Program.SEGMENT1.at(8))
+    assert len(traces) == 2

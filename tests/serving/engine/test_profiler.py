@@ -62,6 +62,8 @@ def test_scope_paths_and_self_times():
     assert scope_path("jit(<lambda>)/segment1/layer_3/attn/...i,oi->...o/dot_general") == [
         "segment1", "layer_3", "attn"]
     assert scope_path("jit(<lambda>)/segment1/layer_0/div") == ["segment1", "layer_0"]
+    assert scope_path("jit(segment1)/segment1/jit(segment1_rows)/layer_0/attn/dot_general") == [
+        "segment1", "layer_0", "attn"]  # a nested jit's scopes continue its caller's
     assert scope_path("jit(sample)/top_k") == ["sample"]
     assert scope_path("(copy)", "jit_seg") == ["jit_seg"]
     # a loop [0, 10) holding two ops [1, 3) and [4, 8), the second holding [5, 6); then a sibling [10, 12)
