@@ -108,8 +108,8 @@ class StepCompiler:
              placement and (placement.mesh.shape_tuple, [d.id for d in self.devices]))))
         self.cache_spec = self._global(self.layout.shapes(), cache=True)
         self.constant_specs = tuple(_spec(a) for a in segment1_constants)
-        self._rows = None if placement else segment1_rows(self.layout, rc, expert_counts)  # one device only
-        self.carry_shapes = self._carry_shapes(model, rc, expert_counts, leaves)  # one rank's
+        self._rows = segment1_rows(self.layout, rc, expert_counts)
+        self.carry_shapes = self._carry_shapes(leaves)  # one rank's
         self.carry_spec = self._global(self.carry_shapes)
         self.programs: StepPrograms = build_programs(
             self.layout, rc, param_specs=self.param_specs, sample_rows_per_rank=self.sample_rows,
@@ -402,29 +402,24 @@ class StepCompiler:
             packed = self.placement.put_batch(packed)
         return jax.tree.map(_spec, packed)
 
-    def _carry_shapes(self, model, rc: RuntimeConfig, expert_counts: bool, leaves: list[jax.Array]):
+    def _carry_shapes(self, leaves: list[jax.Array]):
         """One rank's segment carry: segment 1's rows in a persistent buffer of the largest bucket, which segment 2
         reads, so the kept-row gather lives in segment 2 and no program is compiled per (tokens, kept rows) pair.
-        Read from the executable cache, or found by tracing segment 1 at the largest bucket: on one device through
-        `segment1_rows` with that program's own argument shapes, so the program reuses this trace (JAX keeps a
-        nested jit's trace) and a cold start traces segment 1 once per bucket; on a mesh, apart."""
+        Read from the executable cache, or found by tracing `segment1_rows` at the largest bucket: on one device with
+        that program's own argument shapes, so the program reuses this trace (JAX keeps a nested jit's trace) and a
+        cold start traces segment 1 once per bucket; on a mesh with one rank's unsharded shapes (inside `shard_map`
+        the program's differ), apart."""
         cached = self.exe_cache.get_value("carry") if self.exe_cache else None
         if cached is not None:
             return cached
         top = self.buckets.tokens[-1]
-        if self._rows is not None:
+        if self.placement is None:
             packed = self._batch_spec(self.builder.example(top, top).segment1())
             rank_batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), packed)  # as `_one_rank`
-            shapes = jax.eval_shape(self._rows, self.graph, self.param_specs, self.cache_spec, rank_batch,
-                                    *self.constant_specs)[1]
+            args = (self.param_specs, self.cache_spec, rank_batch, *self.constant_specs)
         else:
-            from serving.runtime import segments
-
-            b1 = self.builder.rank_batch([], top, top).segment1()
-            graph = self.graph
-            shapes = jax.eval_shape(lambda lv, ca, b: segments.segment1(
-                graph.merge(lv), self.layout, ca, None, b, fake_quant=rc.fake_quant, expert_counts=expert_counts)[1],
-                leaves, self.layout.shapes(), b1)
+            args = (leaves, self.layout.shapes(), self.builder.rank_batch([], top, top).segment1())
+        shapes = jax.eval_shape(self._rows, self.graph, *args)[1]
         if self.exe_cache:
             self.exe_cache.put_value("carry", shapes)
         return shapes

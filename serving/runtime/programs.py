@@ -103,11 +103,12 @@ class StepPrograms:
 
 def build_programs(layout: CacheLayout, rc: RuntimeConfig, *, param_specs: list[jax.ShapeDtypeStruct],
                    sample_rows_per_rank: tuple[int, ...], expert_counts: bool, spec: SpeculativeConfig | None,
-                   verify_rows: int, placement=None, cache: KVCache | None = None,
-                   carry: SegmentCarry | None = None, rows_fn: Callable | None = None) -> StepPrograms:
-    """The program families of a runner. On a mesh (`placement`, sharding.runtime.MeshPlacement) the segments run per
-    data-parallel rank (`per_rank`), `param_specs`, `cache` and `carry` giving the shardings; on one device the
-    batch's rank dimension is dropped, and segment 1 calls `rows_fn` (`segment1_rows`) when given."""
+                   verify_rows: int, rows_fn: Callable, placement=None, cache: KVCache | None = None,
+                   carry: SegmentCarry | None = None) -> StepPrograms:
+    """The program families of a runner. Segment 1 runs `rows_fn` (`segment1_rows`) and writes its carry into the
+    persistent buffer. On a mesh (`placement`, sharding.runtime.MeshPlacement) the segments run per data-parallel rank
+    (`per_rank`), `param_specs`, `cache` and `carry` giving the shardings; on one device the batch's rank dimension
+    is dropped."""
     kw = dict(fake_quant=rc.fake_quant, expert_counts=expert_counts)
     ranks = placement.ranks if placement else 1
 
@@ -116,13 +117,10 @@ def build_programs(layout: CacheLayout, rc: RuntimeConfig, *, param_specs: list[
 
     def segment1(graph, leaves, cache, carry_buf, b, prev_tokens=None, engram_terms=None):
         def rank(leaves, cache, carry_buf, b, prev_tokens=None, engram_terms=None):  # one rank's cache, carry, batch
-            with jax.named_scope("segment1"):
-                if rows_fn is not None:  # called as the carry's probe called it (no None arguments)
-                    consts = tuple(a for a in (prev_tokens, engram_terms) if a is not None)
-                    cache, carry, counts = rows_fn(graph, leaves, cache, b, *consts)
-                    return cache, segments.write_carry(carry_buf, carry), counts
-                return segments.segment1(graph.merge(leaves), layout, cache, carry_buf, unpacked(b),
-                                         prev_tokens=prev_tokens, engram_terms=engram_terms, **kw)
+            with jax.named_scope("segment1"):  # rows_fn called as the carry's probe calls it (no None arguments)
+                consts = tuple(a for a in (prev_tokens, engram_terms) if a is not None)
+                cache, carry, counts = rows_fn(graph, leaves, cache, b, *consts)
+                return cache, segments.write_carry(carry_buf, carry), counts
 
         prev = () if prev_tokens is None else (prev_tokens,) if engram_terms is None else (prev_tokens, engram_terms)
         return per_rank(rank, ("cache", "rows", "sum"))(leaves, cache, carry_buf, b, *prev)
@@ -193,10 +191,10 @@ def _one_rank(fn):
 
 
 def segment1_rows(layout: CacheLayout, rc: RuntimeConfig, expert_counts: bool) -> Callable:
-    """One device's segment 1 up to its carry, jitted on its own: (cache, carry of the bucket's rows, expert counts).
-    The runner's probe of the carry's shapes (`StepCompiler`) and its segment-1 programs call it with the same
-    argument shapes at the largest bucket, so JAX traces it there once; XLA inlines the call."""
+    """One rank's segment 1 up to its carry, jitted on its own: (cache, carry of the bucket's rows, expert counts).
+    The runner's probe of the carry's shapes (`StepCompiler`) and its segment-1 programs call it; on one device with
+    the same argument shapes at the largest bucket, so JAX traces it there once. XLA inlines the call."""
     def rows(graph, leaves, cache, b, prev_tokens=None, engram_terms=None):
-        return segments.segment1(graph.merge(leaves), layout, cache, None, unpacked(b), prev_tokens=prev_tokens,
+        return segments.segment1(graph.merge(leaves), layout, cache, unpacked(b), prev_tokens=prev_tokens,
                                  engram_terms=engram_terms, fake_quant=rc.fake_quant, expert_counts=expert_counts)
     return jax.jit(_named(rows, "segment1_rows"), static_argnums=0)

@@ -154,10 +154,11 @@ def split_layer(c) -> int:
     return c.cut_layer if c.family == "v41" else c.num_hidden_layers - 1
 
 
-def segment1(module, layout: CacheLayout, cache: KVCache, carry_buf: SegmentCarry | None, batch: StepBatch, *,
-             fake_quant: bool, expert_counts: bool = False, prev_tokens: jax.Array | None = None,
+def segment1(module, layout: CacheLayout, cache: KVCache, batch: StepBatch, *, fake_quant: bool,
+             expert_counts: bool = False, prev_tokens: jax.Array | None = None,
              engram_terms: jax.Array | None = None) -> tuple[KVCache, SegmentCarry, jax.Array | None]:
-    """(cache, the carry rows in `carry_buf`, expert counts of layers 0 .. cut-1 [cut, E] or None).
+    """(cache, the carry of the bucket's rows (`write_carry` puts it in the persistent buffer), expert counts of layers
+    0 .. cut-1 [cut, E] or None).
     `prev_tokens`: the previous step's sampled tokens, read by the rows whose `rows.prev_T` names one of them (async
     scheduling: the host has not seen those tokens yet). `engram_terms` [V, L, 2]: every token's Engram hash term,
     from which those rows' hash ids are finished (`EngramLayout.token_terms`)."""
@@ -192,10 +193,7 @@ def segment1(module, layout: CacheLayout, cache: KVCache, carry_buf: SegmentCarr
     read_later = {r.index_source for r in c.roles[cut:] if r.index_source is not None}  # top-k segment 2 reads
     topk = {l: ids for l, ids in layers.topk.items() if l in read_later}
     carry = SegmentCarry(R, x, mix, kv, rows.ids_T, rows.pos_T, rows.req_T, topk, layers.raw_tails)
-    counts = _counts(expert_counts, choices, rows.valid_T, module)
-    if carry_buf is None:  # shape probe: the carry of this bucket
-        return cache, carry, counts
-    return cache, write_carry(carry_buf, carry), counts
+    return cache, carry, _counts(expert_counts, choices, rows.valid_T, module)
 
 
 def write_carry(carry_buf: SegmentCarry, carry: SegmentCarry) -> SegmentCarry:
