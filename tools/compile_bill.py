@@ -111,7 +111,9 @@ def bill(rows: list[dict]) -> dict:
     compiles = [r for r in rows if r["kind"] == "compile"]
     seen, repeats = set(), []
     for r in compiles:
-        (repeats.append(r) if r["key"] in seen else seen.add(r["key"]))
+        if r["key"] in seen:
+            repeats.append(r)
+        seen.add(r["key"])
 
     def by(key, items):
         acc = collections.defaultdict(lambda: [0, 0.0])
