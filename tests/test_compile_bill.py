@@ -1,6 +1,8 @@
 """tools/compile_bill.py: every XLA compile of every process a command starts is logged with its cache key, a
-program compiled again is counted as such, and a process that does not import JAX is left without it."""
+program compiled again is counted as such, a process that does not import JAX is left without it, and a
+sitecustomize the tool's own hides still runs."""
 
+import os
 import subprocess
 import sys
 
@@ -30,6 +32,14 @@ def test_a_command_s_compiles_are_logged_and_repeats_counted(tmp_path, monkeypat
     no_jax = subprocess.run([sys.executable, compile_bill.__file__, "run", str(log), "--", sys.executable, "-c",
                              "import sys; assert 'jax' not in sys.modules"], capture_output=True, text=True)
     assert no_jax.returncode == 0, no_jax.stderr
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "sitecustomize.py").write_text("import builtins; builtins.THEIRS_RAN = True\n")
+    path = os.pathsep.join(p for p in (str(theirs), os.environ.get("PYTHONPATH")) if p)
+    shadowed = subprocess.run([sys.executable, compile_bill.__file__, "run", str(log), "--", sys.executable, "-c",
+                               "import builtins; assert builtins.THEIRS_RAN"], capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": path})
+    assert shadowed.returncode == 0, shadowed.stderr
     assert compile_bill.run(log, [sys.executable, "-c", _CHILD, str(tmp_path / "cache")]) == 0
     rows = compile_bill.read_log(log)
     mine = [r for r in rows if r["name"].startswith("jit_twice_plus_one")]

@@ -4,12 +4,13 @@
     python tools/compile_bill.py report OUT_DIR [--json bill.json]
 
 `run` starts the command with a `sitecustomize` module first on PYTHONPATH (every Python process it starts inherits
-it: pytest workers, servers, notebook kernels, sharding workers). Once a process imports JAX's compiler, the module
-wraps its persistent-cache write and read, so each XLA compile is logged with its cache key (the HLO fingerprint with
-the compile options), seconds and module name, and each persistent-cache hit too, with the pytest test that ran it
-(PYTEST_CURRENT_TEST, inherited by subprocesses). It imports nothing until a process imports JAX itself, so a process
-that must not load JAX stays without it. Compiles are logged only where JAX's persistent cache is on (the suite, the
-server and `LLM` turn it on); a cache key compiled twice is a program compiled again that a cache could have served.
+it: pytest workers, servers, notebook kernels, sharding workers; the `sitecustomize` it hides, if any, still runs).
+Once a process imports JAX's compiler, the module wraps its persistent-cache write and read, so each XLA compile is
+logged with its cache key (the HLO fingerprint with the compile options), seconds and module name, and each
+persistent-cache hit too, with the pytest test that ran it (PYTEST_CURRENT_TEST, inherited by subprocesses). It
+imports nothing until a process imports JAX itself, so a process that must not load JAX stays without it. Compiles
+are logged only where JAX's persistent cache is on (the suite, the server and `LLM` turn it on); a cache key compiled
+twice is a program compiled again that a cache could have served.
 
 `report` prints the compile seconds by kind of program and by test file, the model's programs (segments, the full
 forward, the speculative finish) per test, and the repeats (docs/testing.md, "What the suite compiles").
@@ -29,9 +30,10 @@ from pathlib import Path
 LOG_DIR_VAR = "COMPILE_BILL_DIR"
 MODEL_PROGRAMS = ("jit_segment1", "jit_segment2", "jit__forward_leaves", "jit_speculative")
 
+# the module every process of the command imports at start-up; @LOG_DIR_VAR@ is replaced by LOG_DIR_VAR
 _SITECUSTOMIZE = '''
 import os, sys, time, json
-_dir = os.environ.get("COMPILE_BILL_DIR")
+_dir = os.environ.get("@LOG_DIR_VAR@")
 
 
 def _patch(compiler):
@@ -76,15 +78,29 @@ class _Finder:
         return spec
 
 
+def _run_shadowed():
+    """Run the sitecustomize this one hides (a venv's own, say), as Python would have without the tool."""
+    import importlib.machinery, importlib.util
+    here = os.path.dirname(os.path.abspath(__file__))
+    for entry in sys.path:
+        if os.path.abspath(entry or os.getcwd()) == here:
+            continue
+        spec = importlib.machinery.PathFinder.find_spec("sitecustomize", [entry])
+        if spec is not None:
+            spec.loader.exec_module(importlib.util.module_from_spec(spec))
+            return
+
+
 if _dir:
     sys.meta_path.insert(0, _Finder())
+_run_shadowed()
 '''
 
 
 def run(out_dir: Path, command: list[str]) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="compile-bill-") as site:
-        Path(site, "sitecustomize.py").write_text(_SITECUSTOMIZE)
+        Path(site, "sitecustomize.py").write_text(_SITECUSTOMIZE.replace("@LOG_DIR_VAR@", LOG_DIR_VAR))
         env = {**os.environ, LOG_DIR_VAR: str(out_dir.resolve()),
                "PYTHONPATH": os.pathsep.join([site] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                                        if p])}
