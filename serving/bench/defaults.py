@@ -36,13 +36,13 @@ from pathlib import Path
 from serving.bench import full_speed, side_by_side
 from serving.bench.agentic_runner import PointSpec, run_point
 from serving.bench.agentic_workload import SCALES
-from serving.bench.server_process import free_port, server_process
+from serving.bench.server_process import free_port, server_process, wait_until_all_compiled
 
 TIE = 0.03  # score differences below this are within a 2-core machine's run-to-run noise
 BAR = 0.90  # the issue's "within 10% of the best flags"
 PEERS_CONCURRENCY = (1, 8)
 MODEL_NAME = "bench-model"
-# the default budget (1024) against its neighbours, and the open question of docs/benchmarks/defaults.md
+# the default budget (1024) against its neighbours, and 1024 with any one prompt capped at 512 tokens a step
 DEFAULT_CANDIDATES = ("defaults=", "budget-512=--max-num-batched-tokens 512",
                       "budget-2048=--max-num-batched-tokens 2048",
                       "long-prefill-512=--long-prefill-token-threshold 512")
@@ -100,10 +100,12 @@ def cold_cost(args, cand: Candidate, cache: Path) -> dict:
 
 
 def measure(args, cand: Candidate, cache: Path, block_size: int, round_: int) -> dict[str, float]:
-    """One round of one warm candidate: {point: throughput}."""
+    """One round of one warm candidate: {point: throughput}, from the moment its programs are all loaded (a warm
+    restart is ready before its cache has loaded the others: a point measured then runs beside the loading)."""
     port, log = free_port(), args.log_dir / f"{cand.name}-round{round_}.log"
     out = {}
     with server_process(_server(args, cand, cache, port), port, log, args.startup_timeout) as url:
+        wait_until_all_compiled(log, args.startup_timeout)
         for c in PEERS_CONCURRENCY:
             run = argparse.Namespace(concurrency=c, num_prompts=16 if c > 1 else 4, num_warmups=2, input_len=512,
                                      output_len=64, seed=0)

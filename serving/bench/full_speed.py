@@ -26,7 +26,7 @@ from pathlib import Path
 
 from serving.bench import side_by_side
 from serving.bench.peers import vllm_server
-from serving.bench.server_process import free_port, server_process
+from serving.bench.server_process import free_port, server_process, wait_until_all_compiled
 
 IN_A_ROW, FRACTION = 5, 0.75
 
@@ -92,11 +92,8 @@ def ours(args, cache_dir: str, *, until: float | None, count: int | None, who: s
     with server_process(cmd, port, log, args.startup_timeout) as url:
         ready = time.perf_counter() - t0
         run = waves(args, url, "bench-model", t0, until, count, who)
-        deadline = time.monotonic() + ALL_COMPILED_TIMEOUT_S
-        while wait_all_compiled and "all programs compiled" not in log.read_text(errors="replace"):
-            if time.monotonic() > deadline:
-                raise SystemExit(f"{who}: not every program compiled {ALL_COMPILED_TIMEOUT_S} s after the waves")
-            time.sleep(1)
+        if wait_all_compiled:
+            wait_until_all_compiled(log, ALL_COMPILED_TIMEOUT_S)
     text = log.read_text(errors="replace")
     compiled = next((line.split("] ", 1)[-1] for line in text.splitlines() if "all programs compiled" in line), None)
     return {"ready_s": round(ready, 2), "all_compiled": compiled, "waves": run}

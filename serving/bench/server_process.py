@@ -58,6 +58,16 @@ def server_process(cmd: list[str], port: int, log_path: Path | None, startup_tim
         _stop(proc)
 
 
+def wait_until_all_compiled(log: Path, timeout: float) -> None:
+    """Wait until the server's log says every step program is compiled (the banner's "all programs compiled": on a
+    warm restart, loaded from the cache; the warm steady state starts there)."""
+    deadline = time.monotonic() + timeout
+    while "all programs compiled" not in log.read_text(errors="replace"):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"not every program compiled after {timeout:.0f} s; log {log}")
+        time.sleep(1.0)
+
+
 def _stop(proc: subprocess.Popen) -> None:
     if proc.poll() is not None:
         return

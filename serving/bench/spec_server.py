@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from serving.bench.server_process import free_port, server_process
+from serving.bench.server_process import free_port, server_process, wait_until_all_compiled
 
 SPEC = '{"method": "dspark"}'
 
@@ -32,14 +32,6 @@ SPEC = '{"method": "dspark"}'
 def _command(port: int, spec: str | None, extra: list[str]) -> list[str]:
     cmd = [sys.executable, "-m", "serving.server", "--port", str(port), *extra]
     return cmd + (["--speculative-config", spec] if spec else [])
-
-
-def _wait_all_compiled(log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while "all programs compiled" not in log.read_text(errors="replace"):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"not every program compiled after {timeout:.0f} s; log {log}")
-        time.sleep(1.0)
 
 
 async def _wave(url: str, prompts: list[list[int]], c: int, max_tokens: int) -> tuple[float, list[list[int]]]:
@@ -125,10 +117,10 @@ def main(argv=None) -> int:
     logs = {name: args.log_dir / f"server-{name}.log" for name in ports}
     with server_process(_command(ports["off"], None, args.server_arg), ports["off"], logs["off"],
                         args.startup_timeout) as off_url:
-        _wait_all_compiled(logs["off"], args.startup_timeout)
+        wait_until_all_compiled(logs["off"], args.startup_timeout)
         with server_process(_command(ports["on"], SPEC, args.server_arg), ports["on"], logs["on"],
                             args.startup_timeout) as on_url:
-            _wait_all_compiled(logs["on"], args.startup_timeout)
+            wait_until_all_compiled(logs["on"], args.startup_timeout)
             urls = {"off": off_url, "on": on_url}
             offset = 0
             rows = []

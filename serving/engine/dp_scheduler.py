@@ -10,6 +10,8 @@ the plain scheduler.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from dsv41.config import ModelConfig
 from serving.engine.dp_router import DPRouter, RouterConfig
 from serving.engine.request import Finish, Request, StopString
@@ -47,7 +49,7 @@ class DataParallelScheduler:
         self.ranks[req.rank].remove(req)
         self.router.finish(req.rank)
 
-    def schedule(self, max_drafts: int | None = None) -> list[Scheduled]:
+    def schedule(self, max_drafts: int | Mapping[str, int] | None = None) -> list[Scheduled]:
         return [s for r in self.ranks for s in r.schedule(max_drafts)]
 
     def launched(self, sched: list[Scheduled]) -> list[bool]:

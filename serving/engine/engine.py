@@ -26,8 +26,9 @@ elsewhere steps go one at a time), and with speculative decoding it takes the pl
 Speculative decoding (`--speculative-config`): before each step the speculation policy
 (`serving.engine.spec_policy`) picks how many drafts it verifies per request, k in 0..num_speculative_tokens, from
 the output rates measured at this concurrency. k = 0 is a plain step (the sampler, the drafts dropped, async
-scheduling kept); k >= 1 verifies the requests' drafts and drafts the next block, and goes after the step before it
-is collected (its drafts are read from that step).
+scheduling kept); k >= 1 verifies the requests' drafts - each request up to its own share of k, by its acceptance
+and the measured cost of a row (`serving.engine.draft_allocation`) - and drafts the next block, and goes after the
+step before it is collected (its drafts are read from that step).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import numpy as np
 import dsv41
 from serving.engine.args import EngineArgs
 from serving.engine.dp_scheduler import DataParallelScheduler
+from serving.engine.draft_allocation import DraftAllocator
 from serving.engine.eplb import EngineEplb
 from serving.engine.metrics import EngineMetrics
 from serving.engine.multiprocess import Execute, Rebalance, StepChannel
@@ -99,6 +101,9 @@ class Engine:
         if self.spec:
             self.metrics.add_spec_decode(self.spec.num_speculative_tokens)
             self.spec_policy = SpeculationPolicy(self.spec.num_speculative_tokens, adaptive=self.spec.adaptive)
+        # adaptive: each request's share of the policy's k, by its acceptance (fixed k: every request verifies k)
+        self.draft_allocator = (DraftAllocator(self.spec.num_speculative_tokens) if self.spec and self.spec.adaptive
+                                else None)
         self._collected_at: float | None = None  # when the last step was collected
         layout = self.runner.layout
         self.scheduler = DataParallelScheduler(args.scheduler, args.runtime, model.config, num_blocks=layout.num_blocks,
@@ -226,11 +231,23 @@ class Engine:
         self.metrics.spec_chosen_k.set(k)
         return k
 
+    def _drafts_per_request(self, k: int) -> int | dict[str, int]:
+        """The drafts each running request verifies at most in a step of the policy's `k`: the allocator's split by
+        the requests' acceptance (`serving.engine.draft_allocation`), or k for all."""
+        if not k or self.draft_allocator is None:
+            return k
+        running = self.scheduler.running
+        for req in running:
+            if req.acceptance is None:
+                req.acceptance = self.draft_allocator.new_request()
+        counts = self.draft_allocator.allocate([(r.acceptance, len(r.draft_ids)) for r in running], k, len(running))
+        return {r.request_id: n for r, n in zip(running, counts)}
+
     def _launch(self, prev: _InFlight | None = None, k: int = 0) -> _InFlight | None:
         """Schedule and dispatch a step verifying up to `k` drafts per request (0: a plain step); `prev`, the step in
         flight (async scheduling), holds the tokens that its requests' rows in this one read on the device."""
         with jax.profiler.TraceAnnotation("engine.schedule"):
-            sched = self.scheduler.schedule(max_drafts=k)
+            sched = self.scheduler.schedule(max_drafts=self._drafts_per_request(k))
         if not sched:
             return None
         self._note_admissions(sched)
@@ -275,8 +292,11 @@ class Engine:
             finishes[-1] = self.scheduler.postprocess(s, toks, None if step.pending is None else step.pending[i],
                                                       stop)
         if self.spec_policy is not None and step.decode and last is not None:
-            self.spec_policy.record(step.k, len(step.sched), emitted, collected - last,
-                                    verified=any(s.num_draft for s in step.sched))
+            drafts = sum(s.num_draft for s in step.sched)
+            self.spec_policy.record(step.k, len(step.sched), emitted, collected - last, verified=drafts > 0)
+            relative = self.spec_policy.relative(len(step.sched), collected - last)
+            if self.draft_allocator is not None and step.k and relative is not None:
+                self.draft_allocator.record(len(step.sched), drafts, relative)
         return out, before, finishes, now
 
     def _outputs(self, sched: list[Scheduled], out: StepOutput | SpeculativeStepOutput, before: list[int],
@@ -302,8 +322,11 @@ class Engine:
             return []
         toks = [int(t) for t in out.emitted(i)]
         if isinstance(out, SpeculativeStepOutput):
+            m = self.metrics
+            m.spec_request_drafts[s.num_draft].inc()
             if s.num_draft:
-                m = self.metrics
+                if s.request.acceptance is not None:
+                    self.draft_allocator.observe(s.request.acceptance, s.num_draft, len(toks) - 1)
                 m.spec_drafts.inc()
                 m.spec_draft_tokens.inc(s.num_draft)
                 m.spec_accepted.inc(len(toks) - 1)

@@ -76,6 +76,10 @@ class EngineMetrics:
         steps = Counter("dsv41:spec_decode_steps", "Steps run by the drafts per request they verified at most (k; 0: "
                         "plain steps).", labelnames=["model_name", "k"], registry=self.registry)
         self.spec_steps = [steps.labels(self._m, str(i)) for i in range(k + 1)]
+        drafts = Counter("dsv41:spec_decode_request_drafts", "Decoding requests in steps verifying drafts, by the "
+                         "drafts each verified (its own k: the policy's k split by each request's acceptance).",
+                         labelnames=["model_name", "k"], registry=self.registry)
+        self.spec_request_drafts = [drafts.labels(self._m, str(i)) for i in range(k + 1)]
 
     def add_multiprocess(self) -> None:
         """Rank 0 of a server on several processes: the steps it publishes to the other ranks."""

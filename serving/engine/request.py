@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from serving.engine.draft_allocation import Acceptance
 from serving.runtime.encoder_replay import PrefixPlan
 from serving.runtime.sampling_params import SamplingParams
 
@@ -74,6 +75,7 @@ class Request:
     last_token_time: float | None = None
     admitted: bool = False
     draft_ids: list[int] = field(default_factory=list)  # speculative decoding: the next step's drafts
+    acceptance: Acceptance | None = None  # adaptive speculative decoding: its drafts' acceptance so far
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_ids)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from dsv41.config import ModelConfig
@@ -168,8 +168,9 @@ class Scheduler:
         req.slot = None
 
     # --------------------------------------------------------------- schedule
-    def schedule(self, max_drafts: int | None = None) -> list[Scheduled]:
-        """The next step's chunks; each decoding request verifies at most `max_drafts` of its drafts (None: all)."""
+    def schedule(self, max_drafts: int | Mapping[str, int] | None = None) -> list[Scheduled]:
+        """The next step's chunks; each decoding request verifies at most `max_drafts` of its drafts (None: all; a
+        mapping: by request id, 0 for a request it does not name)."""
         budget = self.rc.max_num_batched_tokens
         out: list[Scheduled] = []
         preempted = False
@@ -181,7 +182,8 @@ class Scheduler:
             n = self._chunk(req, req.num_computed, budget)
             if n == 0:  # async scheduling: its last token is in flight and ends it (a length limit)
                 continue
-            k = self._drafts(req, budget - n, max_drafts) if req.num_computed + n == req.num_tokens else 0
+            most = max_drafts.get(req.request_id, 0) if isinstance(max_drafts, Mapping) else max_drafts
+            k = self._drafts(req, budget - n, most) if req.num_computed + n == req.num_tokens else 0
             if k and not self.blocks.allocate(req.request_id, req.num_computed + n + k):
                 k = 0  # short of blocks: verify nothing rather than preempt for drafts
             while not self.blocks.allocate(req.request_id, req.num_computed + n):

@@ -26,8 +26,10 @@ prefill steps cost, one at a time, is not in it). It re-tries plain or a neighbo
 nearest, cheapest to try, and where the best moves first), in turn, so a drafter that starts to be accepted (or
 stops) moves the choice. A re-try waits `explore_every` blocks, doubled after each re-try that did not move the
 choice (up to `max_wait`), and at least until what it loses against the best - measured: a block of an arm at half
-the best's speed loses one block - is `explore_budget` of the blocks since the last: where speculation loses by far
-(a 2-core CPU, where a verifying step costs ~3 plain ones) the re-tries take ~1% of the time.
+the best's speed loses one block; a re-try between plain and speculation also pays the step into speculation (it
+verifies nothing, drafts, and ends async scheduling's overlap: on a 2-core CPU most of what a re-try of k = 1 costs)
+- is `explore_budget` of the blocks since the last: where speculation loses by far (a 2-core CPU, where a verifying
+step costs ~3 plain ones) the re-tries take ~1% of the time.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class _Concurrency:
 
     plain: deque[float]  # the last plain decode steps' seconds at this concurrency
     relative: list[deque[float]]  # per arm k >= 1: its last steps' seconds / the plain median at the time
+    switch: deque[float] = field(default_factory=lambda: deque(maxlen=16))  # the same for steps into speculation
     flips: int = 0  # re-tries so far (they take plain and the neighbours in turn)
     since: int = 0  # blocks since the last trial or re-try
     backoff: int = 0  # blocks between re-tries at least, now
@@ -78,7 +81,7 @@ class SpeculationPolicy:
         """The k of the next step of a batch of `running` requests."""
         if not self.adaptive or self.max_k == 0:
             return self.max_k
-        b = _bucket(running)
+        b = concurrency_bucket(running)
         c = self._at(b)
         if c.left:
             c.left -= 1
@@ -104,20 +107,30 @@ class SpeculationPolicy:
 
     def best(self, running: int) -> int:
         """The arm measured fastest at this concurrency, a k >= 1 only at `margin` times plain's speed or more."""
-        return self._best(_bucket(running))
+        return self._best(concurrency_bucket(running))
 
     def record(self, k: int, running: int, tokens: int, seconds: float, verified: bool = True) -> None:
         """A decode step of `running` requests verifying up to `k` drafts each emitted `tokens` in `seconds` (the time
         since the step before it was collected); `verified`: whether any of its requests had drafts to verify."""
-        if not self.adaptive or seconds <= 0 or running <= 0 or (k and not verified):
+        if not self.adaptive or seconds <= 0 or running <= 0:
             return
-        c = self._at(_bucket(running))
+        c = self._at(concurrency_bucket(running))
         if not k:
             c.plain.append(seconds)
             return
+        if not verified:  # a step into speculation: what moving between plain and speculation costs
+            if (relative := self.relative(running, seconds)) is not None:
+                c.switch.append(relative)
+            return
         self._tokens[k].append(tokens / running)
-        if len(c.plain) >= self.min_steps:
-            c.relative[k].append(seconds / statistics.median(c.plain))
+        if (relative := self.relative(running, seconds)) is not None:
+            c.relative[k].append(relative)
+
+    def relative(self, running: int, seconds: float) -> float | None:
+        """A step's `seconds` over the median of the last plain decode steps at this concurrency (None: fewer than
+        min_steps of them)."""
+        plain = self._at(concurrency_bucket(running)).plain
+        return seconds / statistics.median(plain) if len(plain) >= self.min_steps else None
 
     def rates(self) -> dict[int, list[float | None]]:
         """Each concurrency bucket's output tokens per second per request, per arm k (None: not measured yet): plain's
@@ -151,9 +164,14 @@ class SpeculationPolicy:
 
     def _loss(self, b: int, best: int, arm: int) -> float:
         """What a block of `arm` loses against a block of `best`, in blocks, by their speeds here or, unmeasured here,
-        their optimistic estimates (0 where there is none)."""
+        their optimistic estimates (0 where there is none), plus, between plain and speculation, the step into
+        speculation (it verifies nothing, drafts, and ends async scheduling's overlap) beyond a plain step's time."""
         speed = {k: self._estimate(b, k) for k in (best, arm)}
-        return 0.0 if None in speed.values() else max(speed[best] / speed[arm] - 1, 0.0)
+        if None in speed.values():
+            return 0.0
+        switch = self._at(b).switch
+        into = max(statistics.median(switch) - 1, 0.0) if (best == 0) != (arm == 0) and switch else 0.0
+        return max(speed[best] / speed[arm] - 1, 0.0) + into / self.block_steps
 
     def _estimate(self, b: int, k: int) -> float | None:
         """Arm k's speed relative to plain here: measured, or at most its tokens per step (1 + k before any are
@@ -184,6 +202,6 @@ class SpeculationPolicy:
         return self._by_bucket[b]
 
 
-def _bucket(running: int) -> int:
+def concurrency_bucket(running: int) -> int:
     """Concurrency to the power of two at or above it (1, 2, 4, ...)."""
     return 1 << max(running - 1, 0).bit_length()

@@ -10,6 +10,7 @@ import pytest
 import dsv41
 from dsv41.nano import NANO_DIR
 from serving.engine.args import EngineArgs
+from serving.engine.draft_allocation import DraftAllocator
 from serving.engine.engine import Engine
 from serving.runtime.kv_cache import CacheLayout
 from serving.runtime.sampling_params import SamplingParams
@@ -76,12 +77,36 @@ def test_greedy_speculative_equals_plain_alone_batched_preempted(engines, replay
     steps = [_metric_label(spec, "dsv41:spec_decode_steps_total", f'k="{k}"')
              for k in range(spec.spec.num_speculative_tokens + 1)]
     assert steps[0] > 0 and all(n > 0 for n in steps[1:3]), steps
+    per_request = [_metric_label(spec, "dsv41:spec_decode_request_drafts_total", f'k="{k}"')
+                   for k in range(spec.spec.num_speculative_tokens + 1)]
+    assert sum(per_request) >= sum(steps[1:]), "every verifying step counts each of its decoding requests"
     # a prefix hit: the second request replays the shared prefix's last window and rebuilds its draft context
     shared, short = _prompt(9, 66), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     for eng in (plain, spec):
         eng.hit = [_serve(eng, [shared + [5, 6, 7]], short)[0][0], _serve(eng, [shared + [8, 9]], short)[0][0]]
         assert _metric(eng, "vllm:prefix_cache_hits_total") >= 64
     assert spec.hit == plain.hit
+
+
+def test_the_adaptive_engine_splits_k_by_the_allocator(engines, monkeypatch):
+    """Each verifying step schedules the allocator's split of the policy's k: with a draft row measured to cost 5
+    plain steps (far more than any draft of tiny's random drafter earns) a step of k = 3 verifies one draft in all."""
+    spec = engines(spec=SPEC)
+    monkeypatch.setattr(spec.spec_policy, "choose", lambda running: 3)
+    monkeypatch.setattr(spec, "draft_allocator", DraftAllocator(spec.spec.num_speculative_tokens))
+    for n in (1, 2, 3, 4):
+        spec.draft_allocator.record(2, n, 1.0 + 5.0 * n)
+    drafts = []
+    schedule = spec.scheduler.schedule
+
+    def spy(max_drafts=None):
+        sched = schedule(max_drafts)
+        drafts.append(sum(s.num_draft for s in sched))
+        return sched
+
+    monkeypatch.setattr(spec.scheduler, "schedule", spy)
+    _serve(spec, [_prompt(s) for s in (31, 32)], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert max(drafts) == 1 and drafts.count(1) >= 6, drafts
 
 
 def test_seeded_sampling_and_stop_conditions_with_speculation(engines):
@@ -120,6 +145,22 @@ def test_nano_greedy_speculative_equals_plain_with_accepted_drafts(nano):
     assert accepted > 0, "the trained drafter's first position is accepted about 40% of the time"
     per_pos = [_metric_pos(spec, i) for i in range(5)]
     assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
+
+
+def test_nano_requests_verifying_different_numbers_of_drafts_give_the_plain_outputs(nano, monkeypatch):
+    """One step, each request its own number of drafts (the adaptive engine splits its k by each request's acceptance,
+    `serving.engine.draft_allocation`; forced here: the i-th running request verifies i of its drafts at most): the
+    outputs are the plain engine's, and /metrics counts the requests by the drafts they verified."""
+    plain, spec, prompts = nano
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    counts = lambda: [_metric_label(spec, "dsv41:spec_decode_request_drafts_total", f'k="{k}"')  # noqa: E731
+                      for k in range(spec.spec.num_speculative_tokens + 1)]
+    before = counts()
+    monkeypatch.setattr(spec, "_drafts_per_request",
+                        lambda k: {r.request_id: min(i, k) for i, r in enumerate(spec.scheduler.running)})
+    assert _serve(spec, prompts, params)[0] == _serve(plain, prompts, params)[0]
+    verified = [b - a for a, b in zip(before, counts())]
+    assert all(n > 0 for n in verified[:4]) and not any(verified[4:]), verified
 
 
 def test_nano_min_tokens_verifies_drafts_under_the_ban(nano):

@@ -128,6 +128,22 @@ def test_a_re_try_waits_until_its_loss_is_a_small_share():
     assert at == [1, 101, 201, 301, 401, 501]
 
 
+def test_a_re_try_into_speculation_also_pays_the_step_into_it():
+    """The step into speculation (it verifies nothing: no request has drafts yet) is not the arm's speed, but a re-try
+    from plain pays it: measured at 9 plain steps, it adds 8 / block_steps blocks to the loss, so with speculation at
+    half plain's speed (1 block) and blocks of 4 steps the re-tries come every 300 blocks, not every 100 (the test above)."""
+    p = _policy(1, block_steps=4, min_steps=1, window=4, explore_every=1, explore_budget=0.01)
+    chosen = []
+    for _ in range(4 * 1300):
+        k = p.choose(8)
+        if k and (not chosen or not chosen[-1]):
+            p.record(1, 8, 8, 9.0, verified=False)  # the switch step, then the arm's own
+        p.record(k, 8, 8, 2.0 if k else 1.0)
+        chosen.append(k)
+    blocks = [i // 4 for i, k in enumerate(chosen) if k and (i == 0 or not chosen[i - 1])]
+    assert blocks == [1, 301, 601, 901, 1201]  # the trial, then a re-try every 300 blocks
+
+
 def test_an_arm_is_tried_once_per_concurrency():
     """A trial block whose steps went to other concurrencies (requests ending) measures nothing here; it is not
     repeated block after block (the re-tries measure it later)."""
