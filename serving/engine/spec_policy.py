@@ -25,11 +25,11 @@ verification relatively dearer) - then plays the fastest: a k >= 1 only at `marg
 prefill steps cost, one at a time, is not in it). It re-tries plain or a neighbour of the best (k - 1 or k + 1:
 nearest, cheapest to try, and where the best moves first), in turn, so a drafter that starts to be accepted (or
 stops) moves the choice. A re-try waits `explore_every` blocks, doubled after each re-try that did not move the
-choice (up to `max_wait`), and at least until what it loses against the best - measured: a block of an arm at half
-the best's speed loses one block; a re-try between plain and speculation also pays the step into speculation (it
-verifies nothing, drafts, and ends async scheduling's overlap: on a 2-core CPU most of what a re-try of k = 1 costs)
-- is `explore_budget` of the blocks since the last: where speculation loses by far (a 2-core CPU, where a verifying
-step costs ~3 plain ones) the re-tries take ~1% of the time.
+choice (up to `max_wait`), and at least until what it loses against the best is `explore_budget` of the blocks since
+the last. The loss is measured: a block of an arm at half the best's speed loses one block, and a re-try between plain
+and speculation also pays the step into speculation (it verifies nothing, drafts, and ends async scheduling's
+overlap: on a 2-core CPU most of what a re-try of k = 1 costs). Where speculation loses by far (a 2-core CPU, where a
+verifying step costs ~3 plain ones) the re-tries take ~1% of the time.
 """
 
 from __future__ import annotations
