@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from serving.bench.prefill import _chunk
+from serving.bench.prefill import slot_chunk
 from serving.engine.args import EngineArgs
 from serving.model_source import ModelArgs, load_model
 from serving.runtime.programs import Program
@@ -71,18 +71,18 @@ def measure(args) -> dict:
     seqs = [[int(x) for x in rng.integers(3, vocab, args.context)] for _ in range(args.max_num_seqs)]
     compiler._exe = every
     for s, tokens in enumerate(seqs):
-        r.step([_chunk(r, s, tokens, 0, args.context, True)], [None])
+        r.step([slot_chunk(r, s, tokens, 0, args.context, True)], [None])
     decode, prefill = {}, {}
     for B in (int(b) for b in args.decode_batches.split(",")):
         for b in (b for b in sizes if B <= b <= args.max_decode_bucket):
             forced(b, (Program.SEGMENT1, Program.SEGMENT2))
-            chunks = [_chunk(r, s, seqs[s], args.context - 1, args.context, True) for s in range(B)]
+            chunks = [slot_chunk(r, s, seqs[s], args.context - 1, args.context, True) for s in range(B)]
             decode[f"{B}@{b}"] = median_seconds(lambda: r.step(chunks, [None] * B))
     for L in (int(n) for n in args.prefill_lengths.split(",")):
         tokens = [int(x) for x in rng.integers(3, vocab, L)]
         for b in (b for b in sizes if b >= L):
             forced(b, (Program.SEGMENT1,))
-            prefill[f"{L}@{b}"] = median_seconds(lambda: r.step([_chunk(r, 0, tokens, 0, L, True)], [None]))
+            prefill[f"{L}@{b}"] = median_seconds(lambda: r.step([slot_chunk(r, 0, tokens, 0, L, True)], [None]))
     compiler._exe = every
     return {"model": args.model or "(built-in)", "dtype": src.model.dtype.name, "buckets": list(sizes),
             "context": args.context, "decode_s": decode, "prefill_s": prefill}

@@ -32,11 +32,11 @@ def _runner(model, budget: int):
 
 
 def _prefill_seconds(r, budget: int, prompt: list[int], slot: int = 0) -> float:
-    from serving.bench.prefill import _chunk
+    from serving.bench.prefill import slot_chunk
 
     t = time.perf_counter()
     for start in range(0, len(prompt), budget):
-        np.asarray(r.forward([_chunk(r, slot, prompt, start, min(len(prompt), start + budget), True)]))
+        np.asarray(r.forward([slot_chunk(r, slot, prompt, start, min(len(prompt), start + budget), True)]))
     return time.perf_counter() - t
 
 

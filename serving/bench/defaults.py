@@ -42,10 +42,9 @@ TIE = 0.03  # score differences below this are within a 2-core machine's run-to-
 BAR = 0.90  # the "within 10% of the best flags"
 PEERS_CONCURRENCY = (1, 8)
 MODEL_NAME = "bench-model"
-# the default budget (1024) against its neighbours, and 1024 with any one prompt capped at 512 tokens a step
-DEFAULT_CANDIDATES = ("defaults=", "budget-512=--max-num-batched-tokens 512",
-                      "budget-2048=--max-num-batched-tokens 2048",
-                      "long-prefill-512=--long-prefill-token-threshold 512")
+# the default budget (512) against its neighbours
+DEFAULT_CANDIDATES = ("defaults=", "budget-256=--max-num-batched-tokens 256",
+                      "budget-1024=--max-num-batched-tokens 1024")
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from serving.runtime.runner import Runner
 from serving.runtime.programs import BucketKey, Program
 
 
-def _chunk(r: Runner, slot: int, tokens: list[int], start: int, end: int, trim: bool) -> SeqChunk:
+def slot_chunk(r: Runner, slot: int, tokens: list[int], start: int, end: int, trim: bool) -> SeqChunk:
     """Slot s owns blocks [s * max_blocks, (s + 1) * max_blocks): the default cache has exactly those."""
     first = slot * r.max_blocks
     blocks = list(range(first, first + -(-end // r.layout.block_size)))
@@ -77,7 +77,7 @@ def prefill_run(r: Runner, L: int, bounded: bool, vocab: int) -> Callable[[int],
     def run(i: int) -> float:
         tokens = [int(t) for t in np.random.default_rng(i).integers(3, vocab, L)]
         t = time.perf_counter()
-        np.asarray(r.forward([_chunk(r, 0, tokens, 0, L, bounded)]))
+        np.asarray(r.forward([slot_chunk(r, 0, tokens, 0, L, bounded)]))
         return time.perf_counter() - t
 
     return run
@@ -115,14 +115,14 @@ def bench_decode(r: Runner, B: int, context: int, steps: int, vocab: int, profil
     """(step seconds, per probe its rates taken right before each step) of `steps` decode steps of B requests."""
     seqs = [[int(t) for t in np.random.default_rng(100 + s).integers(3, vocab, context)] for s in range(B)]
     for s in range(B):
-        r.forward([_chunk(r, s, seqs[s], 0, context, True)])
+        r.forward([slot_chunk(r, s, seqs[s], 0, context, True)])
 
     def step() -> float:
         chunks = []
         for s in range(B):
             seqs[s].append(7)
             n = len(seqs[s])
-            chunks.append(_chunk(r, s, seqs[s], n - 1, n, True))
+            chunks.append(slot_chunk(r, s, seqs[s], n - 1, n, True))
         t = time.perf_counter()
         np.asarray(r.step(chunks, [None] * B).tokens)
         return time.perf_counter() - t

@@ -44,7 +44,7 @@ import numpy as np
 import dsv41
 from serving.engine.args import EngineArgs
 from serving.engine.dp_scheduler import DataParallelScheduler
-from serving.engine.draft_allocation import DraftAllocator
+from serving.engine.draft_allocation import DraftAllocator, RequestDrafts
 from serving.engine.eplb import EngineEplb
 from serving.engine.metrics import EngineMetrics
 from serving.engine.multiprocess import Execute, Rebalance, StepChannel
@@ -102,8 +102,8 @@ class Engine:
             self.metrics.add_spec_decode(self.spec.num_speculative_tokens)
             self.spec_policy = SpeculationPolicy(self.spec.num_speculative_tokens, adaptive=self.spec.adaptive)
         # adaptive: each request's share of the policy's k, by its acceptance (fixed k: every request verifies k)
-        self.draft_allocator = (DraftAllocator(self.spec.num_speculative_tokens) if self.spec and self.spec.adaptive
-                                else None)
+        self.draft_allocator = (DraftAllocator(self.spec.num_speculative_tokens, step_shape=self._decode_shape)
+                                if self.spec and self.spec.adaptive else None)
         self._collected_at: float | None = None  # when the last step was collected
         layout = self.runner.layout
         self.scheduler = DataParallelScheduler(args.scheduler, args.runtime, model.config, num_blocks=layout.num_blocks,
@@ -240,8 +240,16 @@ class Engine:
         for req in running:
             if req.acceptance is None:
                 req.acceptance = self.draft_allocator.new_request()
-        counts = self.draft_allocator.allocate([(r.acceptance, len(r.draft_ids)) for r in running], k, len(running))
+        counts = self.draft_allocator.allocate(
+            [RequestDrafts(r.acceptance, len(r.draft_ids), r.draft_confidence if r.params.greedy else None)
+             for r in running], k, len(running))
         return {r.request_id: n for r, n in zip(running, counts)}
+
+    def _decode_shape(self, rows: int) -> tuple[int, int]:
+        """The token and kept-row buckets a decode step of `rows` rows runs on (its busiest data-parallel rank's)."""
+        b = self.runner.buckets
+        per_rank = min(-(-rows // self.runner.ranks), b.tokens[-1])
+        return b.token_bucket(per_rank), b.kept_bucket(per_rank)
 
     def _launch(self, prev: _InFlight | None = None, k: int = 0) -> _InFlight | None:
         """Schedule and dispatch a step verifying up to `k` drafts per request (0: a plain step); `prev`, the step in
@@ -333,6 +341,7 @@ class Engine:
                 for pos in range(len(toks) - 1):
                     m.spec_accepted_per_pos[pos].inc()
             s.request.draft_ids = [int(t) for t in out.drafts[i][:self.spec.num_speculative_tokens]]
+            s.request.draft_confidence = [float(c) for c in out.draft_confidence[i][:self.spec.num_speculative_tokens]]
         else:
             s.request.draft_ids = []  # a plain step moved past the positions they were drafted for
         return toks

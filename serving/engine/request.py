@@ -75,6 +75,7 @@ class Request:
     last_token_time: float | None = None
     admitted: bool = False
     draft_ids: list[int] = field(default_factory=list)  # speculative decoding: the next step's drafts
+    draft_confidence: list[float] = field(default_factory=list)  # the drafter's confidence in each (read with them)
     acceptance: Acceptance | None = None  # adaptive speculative decoding: its drafts' acceptance so far
 
     def __post_init__(self):

@@ -22,7 +22,7 @@ class RuntimeConfig:
     max_num_seqs: int = field(default=32, metadata={"help": "running requests (KV slots) per data-parallel rank"})
     # the best worst case over the peers and agentic workloads, cold and warm, of the budgets measured
     # (`serving.bench.defaults`, docs/benchmarks/defaults.md)
-    max_num_batched_tokens: int = field(default=1024, metadata={"help": "tokens per step per data-parallel rank"})
+    max_num_batched_tokens: int = field(default=512, metadata={"help": "tokens per step per data-parallel rank"})
     max_model_len: int = field(default=4096, metadata={"help": "longest sequence, prompt + output, in tokens"})
     block_size: int | None = field(default=None, metadata={
         "help": "tokens per KV-cache block, the prefix-cache unit (default: the smallest size >= 64 holding whole "

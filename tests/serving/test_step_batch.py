@@ -177,8 +177,8 @@ def test_engram_ids_of_a_step_are_each_sequences_hash_ids():
 def test_the_token_ladder_keeps_the_buckets_padding_would_cost():
     """Decode: the smallest, then powers of two from 8 up to max_num_seqs; prefill: the window, 4x it, then doubling
     to the budget (docs/design/measurements.md, "Token buckets")."""
-    assert token_ladder(512, 128, smallest=2, max_seqs=32) == (2, 8, 16, 32, 128, 512)
-    assert token_ladder(1024, 128, smallest=1, max_seqs=32) == (1, 8, 16, 32, 128, 512, 1024)  # the default budget
+    assert token_ladder(512, 128, smallest=2, max_seqs=32) == (2, 8, 16, 32, 128, 512)  # the default budget, bf16
+    assert token_ladder(1024, 128, smallest=1, max_seqs=32) == (1, 8, 16, 32, 128, 512, 1024)
     assert token_ladder(8192, 128, smallest=1, max_seqs=256) == (1, 8, 16, 32, 64, 128, 512, 1024, 2048, 4096, 8192)
     assert token_ladder(2048, 128, smallest=1, max_seqs=12) == (1, 8, 12, 128, 512, 1024, 2048)
     assert token_ladder(64, 128, smallest=1, max_seqs=32) == (1, 8, 16, 32, 64)  # a budget under the window

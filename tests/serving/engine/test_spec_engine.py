@@ -93,9 +93,10 @@ def test_the_adaptive_engine_splits_k_by_the_allocator(engines, monkeypatch):
     plain steps (far more than any draft of tiny's random drafter earns) a step of k = 3 verifies one draft in all."""
     spec = engines(spec=SPEC)
     monkeypatch.setattr(spec.spec_policy, "choose", lambda running: 3)
-    monkeypatch.setattr(spec, "draft_allocator", DraftAllocator(spec.spec.num_speculative_tokens))
-    for n in (1, 2, 3, 4):
-        spec.draft_allocator.record(2, n, 1.0 + 5.0 * n)
+    by_rows = DraftAllocator(spec.spec.num_speculative_tokens, step_shape=lambda rows: rows)  # every count a shape
+    monkeypatch.setattr(spec, "draft_allocator", by_rows)
+    for n in (1, 2, 3, 4, 5, 6) * by_rows.min_steps:
+        by_rows.record(2, n, 1.0 + 5.0 * n)
     drafts = []
     schedule = spec.scheduler.schedule
 
