@@ -129,12 +129,12 @@ class DraftAllocator:
         """Each running request's drafts to verify, at most the step's `k`."""
         caps = [min(k, r.available) for r in requests]
         total = sum(caps)
-        if not total or self.cost(running, total) is None:
+        measured = self._measured(running)
+        if not total or self.step_shape(running + total) not in measured:
             return caps
         rows = sorted(((g, i) for i, (r, cap) in enumerate(zip(requests, caps))
                        for g in self.gains(r.acceptance, r.confidence)[:cap]), key=lambda row: -row[0])
         gained = list(itertools.accumulate(g for g, _ in rows))
-        measured = self._measured(running)
         rates = {n: (running + gained[n - 1]) / t for n in range(1, total + 1)
                  if (t := measured.get(self.step_shape(running + n))) is not None}
         best = max(rates, key=rates.get)
