@@ -3,6 +3,9 @@
     python -m dsv41.train.data                        # once: corpus, split, tokenizer (see dsv41.train.data)
     python -m dsv41.train --out runs/nano             # backbone, then DSpark; resumes from runs/nano
     python -m dsv41.train --out runs/nano --backbone-steps 20 --dspark-steps 5 --seq-len 256   # a quick look
+    python tools/target_outputs.py --out runs/self.npy --seq-len 256      # the target's own continuations, then
+    python -m dsv41.train --out runs/nano-self --backbone-steps 0 --init-from dsv41/checkpoints/nano-austen \
+        --seq-len 256 --dspark-data runs/self.npy                         # the drafter trained on them
 
 Writes into --out: train_config.json, log.jsonl (every step), checkpoints/ (Orbax; a rerun resumes from the
 newest), results.json (held-out perplexity vs the unigram baseline, tokens/s, wall time) and model/ (the

@@ -40,6 +40,8 @@ class TrainConfig:
     indexer_kl_stride: int = _field(4, "the indexer KL runs on every n-th query")
     confidence_loss_weight: float = _field(0.1, "DSpark confidence head BCE")
     dspark_anchors: int = _field(64, "proposal blocks drafted per training window")
+    dspark_data: str = _field("", "a .npy of windows [n, seq_len + 1] the DSpark phase draws its batches from instead "
+                                  "of the corpus (tools/target_outputs.py: the target's own greedy continuations)")
     moe_compute: str = _field("dense", "routed experts: 'dense' (every expert, sparse weights) or 'grouped'")
     eval_every: int = _field(100, "held-out evaluation interval in steps")
     eval_windows: int = _field(16, "held-out windows per interim evaluation (the final one uses all; 0: none)")

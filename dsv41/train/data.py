@@ -12,7 +12,8 @@
 
 Nothing here runs at serving or test time; tests use `tests/fixtures/nano/` or skip when DIR is absent.
 `Windows` draws the training batches: seq [B, T + 1] = BOS + T consecutive tokens at offsets drawn from
-`default_rng([seed, step])`, so a batch depends only on (seed, step) and a resumed run sees the same data.
+`default_rng([seed, step])`, so a batch depends only on (seed, step) and a resumed run sees the same data; `Rows`
+draws the drafter's batches from fixed windows instead when a run names `dspark_data`.
 """
 
 from __future__ import annotations
@@ -191,6 +192,35 @@ class Windows:
         starts = rng.integers(0, self.tokens.size - self.seq_len + 1, self.batch)
         body = np.stack([self.tokens[s: s + self.seq_len] for s in starts]).astype(np.int32)
         return np.concatenate([np.full((self.batch, 1), self.bos_id, np.int32), body], axis=1)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Training batches [batch, seq_len + 1] drawn from fixed windows (`tools/target_outputs.py`: the target's own
+    greedy continuations), rows chosen by `default_rng([seed, step])` as `Windows` draws its offsets."""
+
+    rows: np.ndarray  # [n, seq_len + 1] int, each row BOS first
+    batch: int
+    seed: int
+
+    @classmethod
+    def load(cls, path: str | Path, seq_len: int, batch: int, seed: int, bos_id: int, vocab_size: int) -> Rows:
+        """The windows in a .npy file, checked against the run (the error names the field dspark_data)."""
+        path = Path(path)
+        if not path.is_file():
+            raise DataError(f"dspark_data {path} is not a file (write it with tools/target_outputs.py)")
+        rows = np.load(path)
+        if rows.ndim != 2 or rows.shape[1] != seq_len + 1 or not np.issubdtype(rows.dtype, np.integer):
+            raise DataError(f"dspark_data {path} holds {rows.dtype} {rows.shape}, not integer rows of seq_len + 1 = "
+                            f"{seq_len + 1} tokens")
+        if not len(rows) or (rows[:, 0] != bos_id).any() or rows.min() < 0 or rows.max() >= vocab_size:
+            raise DataError(f"dspark_data {path}: rows must be non-empty, begin with BOS {bos_id} and hold ids "
+                            f"below {vocab_size}")
+        return cls(rows.astype(np.int32), batch, seed)
+
+    def batch_at(self, step: int) -> np.ndarray:
+        """int32 [batch, seq_len + 1], a function of (seed, step) only."""
+        return self.rows[np.random.default_rng([self.seed, step]).integers(0, len(self.rows), self.batch)]
 
 
 def eval_windows(tokens: np.ndarray, seq_len: int, limit: int | None = None, bos_id: int = 0) -> np.ndarray:

@@ -8,7 +8,8 @@ backbone phase), the drafter (AdamW during the DSpark phase) and the MoE router 
 DeepSeek's aux-loss-free rule b_i += rate * sign(mean load - load_i) after every step.
 
 Determinism: parameters come from `init_train_params(seed)`, batch b of step s from
-`Windows.batch_at(s)` (seed, step) and the DSpark anchors from default_rng([seed, step, 1]); nothing
+`Windows.batch_at(s)` (seed, step) (the DSpark phase's from `Rows.batch_at(s)` when
+`dspark_data` names fixed windows) and the DSpark anchors from default_rng([seed, step, 1]); nothing
 else is random, so a run is a function of its config, and a resumed run repeats the uninterrupted one.
 A checkpoint holds the step, the three groups and both optimiser states.
 """
@@ -36,7 +37,7 @@ from dsv41.layers.engram import EngramLayout
 from dsv41.layers.basic import with_kernels
 from dsv41.model import Transformer
 from dsv41.train.config import TrainConfig
-from dsv41.train.data import Windows, eval_windows
+from dsv41.train.data import Rows, Windows, eval_windows
 from dsv41.train.drafter import draft_losses
 from dsv41.train.forward import backbone_forward
 from dsv41.train.params import decays, init_train_params, param_group
@@ -220,8 +221,11 @@ class Trainer:
             raise ValueError("dspark_steps > 0 but the config has no DSpark stages (num_nextn_predict_layers 0)")
         self.config, self.tc = config, tc
         self.out_dir = Path(out_dir).absolute()
-        self.fns = compiled_steps(config, dataclasses.replace(tc.math(), seed=0))  # no seed in the graph
+        # neither the seed nor the drafter's data file is in the graph
+        self.fns = compiled_steps(config, dataclasses.replace(tc.math(), seed=0, dspark_data=""))
         self.windows = Windows(train_tokens, tc.seq_len, tc.batch_size, tc.seed, config.bos_token_id)
+        self.draft_windows = (Rows.load(tc.dspark_data, tc.seq_len, tc.batch_size, tc.seed, config.bos_token_id,
+                                        config.vocab_size) if tc.dspark_data else self.windows)
         self.heldout = eval_windows(heldout_tokens, tc.seq_len, None, config.bos_token_id)
         if not len(self.heldout):
             raise ValueError(f"the held-out split has fewer than seq_len {tc.seq_len} tokens")
@@ -334,7 +338,7 @@ class Trainer:
         try:
             for step in range(int(state["step"]), end):
                 phase = "backbone" if step < tc.backbone_steps else "dspark"
-                seqs = self.windows.batch_at(step)
+                seqs = (self.windows if phase == "backbone" else self.draft_windows).batch_at(step)
                 hashes = self.hashes(seqs)
                 t0 = time.perf_counter()
                 if phase == "backbone":

@@ -4,7 +4,9 @@ acceptance  held-out prompts (passages of *Persuasion*, which training never saw
             verified per step: the mean acceptance length (1 + accepted drafts / verification steps, vLLM's
             definition), the per-position acceptance rate (drafts accepted at position i / verification steps) and
             whether every output equals non-speculative decoding token for token.
-            (Every step verifies k drafts: `"adaptive": false`.)
+            (Every step verifies k drafts: `"adaptive": false`.) At k = block, the drafter's confidence head against
+            verification: per tenth of its confidence, the fraction of drafts accepted (`/metrics`'
+            `dsv41:spec_decode_confidence_*`).
 throughput  decode tokens/s of the engine's step loop (scheduler, runner, detokenizer) at c = 1 and c = 8 concurrent
             requests, speculation off, on with the adaptive default and on at k = block every step, alternating,
             `--repeats` each, medians: tokens generated after every request had its first token, over the time
@@ -54,9 +56,10 @@ def _run(engine, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[i
     return [out[f"b{i}"] for i in range(len(prompts))], seconds, sum(map(len, out.values())) - at_start
 
 
-def _counter(engine, name: str, position: int | None = None) -> float:
+def _counter(engine, name: str, position: int | None = None, label: str | None = None) -> float:
+    label = label or (None if position is None else f'position="{position}"')
     for line in engine.metrics.render().decode().splitlines():
-        if line.startswith(name + "_total{") and (position is None or f'position="{position}"' in line):
+        if line.startswith(name + "_total{") and (label is None or label in line):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
 
@@ -74,8 +77,22 @@ def acceptance(model, tok, prompts, plain_out, args) -> list[dict]:
                      "acceptance_length": 1 + acc / drafts,
                      "per_position_rate": [_counter(eng, "vllm:spec_decode_num_accepted_tokens_per_pos", i) / drafts
                                            for i in range(k)],
-                     "outputs_equal_plain": sum(a == b for a, b in zip(out, plain_out)), "prompts": len(prompts)})
+                     "outputs_equal_plain": sum(a == b for a, b in zip(out, plain_out)), "prompts": len(prompts),
+                     "confidence_bins": confidence_bins(eng)})
         print(f"k={k}: acceptance length {rows[-1]['acceptance_length']:.3f}", flush=True)
+    return rows
+
+
+def confidence_bins(engine) -> list[dict]:
+    """The drafter's confidence head against verification: per tenth of its confidence, the drafts verified with
+    every draft before them accepted, and the fraction accepted (calibrated: about the bin's confidence)."""
+    rows = []
+    for b in range(10):
+        label = f"{b / 10:.1f}"
+        reached = _counter(engine, "dsv41:spec_decode_confidence_drafts", label=f'bin="{label}"')
+        accepted = _counter(engine, "dsv41:spec_decode_confidence_accepted", label=f'bin="{label}"')
+        rows.append({"bin": label, "drafts": int(reached), "accepted": int(accepted),
+                     "accepted_rate": accepted / reached if reached else None})
     return rows
 
 
@@ -138,6 +155,14 @@ def main(argv: list[str] | None = None) -> dict:
     for r in result["acceptance"]:
         rates = " / ".join(f"{x:.2f}" for x in r["per_position_rate"])
         print(f"| {r['k']} | {r['acceptance_length']:.3f} | {rates} | {r['outputs_equal_plain']}/{r['prompts']} |")
+    top = result["acceptance"][-1]
+    print(f"\nThe drafter's confidence head at k = {top['k']} (greedy): drafts verified with every draft before them "
+          "accepted, by the head's confidence")
+    print("\n| confidence | drafts | accepted |")
+    print("|---|---|---|")
+    for r in top["confidence_bins"]:
+        if r["drafts"]:
+            print(f"| {r['bin']}-{float(r['bin']) + 0.1:.1f} | {r['drafts']} | {r['accepted_rate']:.2f} |")
     print("\n| concurrency | decode tok/s off | adaptive | adaptive / off | k = block every step | k = block / off |")
     print("|---|---|---|---|---|---|")
     for r in result["throughput"]:

@@ -101,7 +101,8 @@ class Engine:
         if self.spec:
             self.metrics.add_spec_decode(self.spec.num_speculative_tokens)
             self.spec_policy = SpeculationPolicy(self.spec.num_speculative_tokens, adaptive=self.spec.adaptive)
-        # adaptive: each request's share of the policy's k, by its acceptance (fixed k: every request verifies k)
+        # adaptive: each request's share of the policy's k, by its drafts' expected acceptance and the measured cost of
+        # the compiled shape the step's rows run on (fixed k: every request verifies k)
         self.draft_allocator = (DraftAllocator(self.spec.num_speculative_tokens, step_shape=self._decode_shape)
                                 if self.spec and self.spec.adaptive else None)
         self._collected_at: float | None = None  # when the last step was collected
@@ -338,12 +339,14 @@ class Engine:
                 m.spec_drafts.inc()
                 m.spec_draft_tokens.inc(s.num_draft)
                 m.spec_accepted.inc(len(toks) - 1)
+                if s.request.params.greedy:
+                    m.spec_confidence(s.request.draft_confidence, s.num_draft, len(toks) - 1)
                 for pos in range(len(toks) - 1):
                     m.spec_accepted_per_pos[pos].inc()
             s.request.draft_ids = [int(t) for t in out.drafts[i][:self.spec.num_speculative_tokens]]
             s.request.draft_confidence = [float(c) for c in out.draft_confidence[i][:self.spec.num_speculative_tokens]]
         else:
-            s.request.draft_ids = []  # a plain step moved past the positions they were drafted for
+            s.request.draft_ids, s.request.draft_confidence = [], []  # a plain step moved past their positions
         return toks
 
     @staticmethod

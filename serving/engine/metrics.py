@@ -80,6 +80,25 @@ class EngineMetrics:
                          "drafts each verified (its own k: the policy's k split by each request's acceptance).",
                          labelnames=["model_name", "k"], registry=self.registry)
         self.spec_request_drafts = [drafts.labels(self._m, str(i)) for i in range(k + 1)]
+        # the drafter's confidence head against what verification decided: calibrated if, in every bin, accepted /
+        # drafts is about the bin's confidence (the adaptive allocator takes a greedy request's gains from it)
+        doc = ("greedy requests' drafts verified with every draft before them accepted, by the drafter's confidence "
+               "in the draft (bin: its tenth, 0.0 for [0, 0.1) .. 0.9 for [0.9, 1])")
+        reached = Counter("dsv41:spec_decode_confidence_drafts", doc[0].upper() + doc[1:] + ".",
+                          labelnames=["model_name", "bin"], registry=self.registry)
+        accepted = Counter("dsv41:spec_decode_confidence_accepted", "Of the " + doc + ": those accepted.",
+                           labelnames=["model_name", "bin"], registry=self.registry)
+        self._confidence_bins = [(reached.labels(self._m, f"{b / 10:.1f}"), accepted.labels(self._m, f"{b / 10:.1f}"))
+                                 for b in range(10)]
+
+    def spec_confidence(self, confidence: list[float], num_draft: int, num_accepted: int) -> None:
+        """A greedy verification of `num_draft` drafts, the first `num_accepted` accepted, which the drafter rated
+        `confidence` (per draft): each draft verification reached, by its confidence's bin."""
+        for i in range(min(num_accepted + 1, num_draft, len(confidence))):
+            reached, accepted = self._confidence_bins[min(max(int(confidence[i] * 10), 0), 9)]
+            reached.inc()
+            if i < num_accepted:
+                accepted.inc()
 
     def add_multiprocess(self) -> None:
         """Rank 0 of a server on several processes: the steps it publishes to the other ranks."""

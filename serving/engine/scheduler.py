@@ -285,7 +285,7 @@ class Scheduler:
         """Back to the front of the queue, its blocks and slot freed: it starts again from the prefix lookup."""
         self.running.remove(req)
         self._release(req)
-        req.num_computed, req.plan, req.draft_ids = 0, None, []
+        req.num_computed, req.plan, req.draft_ids, req.draft_confidence = 0, None, [], []
         self.add(req, front=True)
 
     def _preempt(self, req: Request) -> None:

@@ -70,6 +70,28 @@ def test_resume_from_checkpoint_repeats_the_uninterrupted_run(reference_run, tmp
         _run(tmp_path, TrainConfig(**{**TC.__dict__, "learning_rate": 1e-4}))
 
 
+def test_the_drafter_trains_on_the_windows_dspark_data_names(reference_run, tmp_path):
+    """With `dspark_data` the backbone steps still read the corpus (the reference run's losses) and the DSpark step
+    draws its batch from the file's windows (another loss), a function of (seed, step); a file of another window
+    length or without BOS first is refused, naming the field."""
+    from dsv41.train.data import DataError, Rows
+
+    rng = np.random.default_rng(4)
+    rows = np.concatenate([np.full((6, 1), MICRO.bos_token_id), rng.integers(3, MICRO.vocab_size, (6, TC.seq_len))],
+                          axis=1).astype(np.int32)
+    np.save(tmp_path / "rows.npy", rows)
+    losses, _ = reference_run
+    got, _ = _run(tmp_path / "run", TrainConfig(**{**TC.__dict__, "dspark_data": str(tmp_path / "rows.npy")}))
+    assert got[:2] == losses[:2] and got[2][0] == "dspark" and got[2][1] != losses[2][1]
+    drawn = Rows.load(tmp_path / "rows.npy", TC.seq_len, 3, 0, MICRO.bos_token_id, MICRO.vocab_size)
+    assert all(any((r == rows).all(axis=1)) for r in drawn.batch_at(7))
+    np.testing.assert_array_equal(drawn.batch_at(7), drawn.batch_at(7))
+    for name, bad in (("short", rows[:, :-1]), ("no_bos", np.roll(rows, 1, axis=1))):
+        np.save(tmp_path / f"{name}.npy", bad)
+        with pytest.raises(DataError, match="dspark_data"):
+            _run(tmp_path / name, TrainConfig(**{**TC.__dict__, "dspark_data": str(tmp_path / f"{name}.npy")}))
+
+
 def test_window_attention_is_masked_attention():
     rng = np.random.default_rng(1)
     T, H, d, N, W = 37, 2, 8, 18, 8

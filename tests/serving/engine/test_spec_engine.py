@@ -146,6 +146,14 @@ def test_nano_greedy_speculative_equals_plain_with_accepted_drafts(nano):
     assert accepted > 0, "the trained drafter's first position is accepted about 40% of the time"
     per_pos = [_metric_pos(spec, i) for i in range(5)]
     assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
+    # the confidence bins count each draft verification reached: every verification reaches its first draft, and a
+    # draft past the first is reached only after an accepted one
+    bins = [f'bin="{b / 10:.1f}"' for b in range(10)]
+    reached = sum(_metric_label(spec, "dsv41:spec_decode_confidence_drafts_total", b) for b in bins)
+    assert sum(_metric_label(spec, "dsv41:spec_decode_confidence_accepted_total", b) for b in bins) == accepted
+    verifications = _metric(spec, "vllm:spec_decode_num_drafts_total")
+    draft_tokens = _metric(spec, "vllm:spec_decode_num_draft_tokens_total")
+    assert verifications <= reached <= min(verifications + accepted, draft_tokens)
 
 
 def test_nano_requests_verifying_different_numbers_of_drafts_give_the_plain_outputs(nano, monkeypatch):
@@ -257,3 +265,21 @@ def test_top_logprobs_are_computed_when_asked_with_and_without_speculation(engin
             np.testing.assert_allclose(x.logprob, x.top[0][1], rtol=1e-6)
         tops.append([[t for t, _ in x.top] for x in got["a"]])
     assert tops[0] == tops[1]
+
+
+def test_confidence_bins_count_the_drafts_verification_reached():
+    """A verification of 4 drafts accepting the first 2 reaches drafts 0-2 (each in its confidence's tenth; the 3rd
+    rejected) and never the 4th; a confidence of exactly 1 falls in the top bin."""
+    from serving.engine.metrics import EngineMetrics
+
+    class _Metrics:  # what _metric_label reads
+        metrics = EngineMetrics("m")
+
+    m = _Metrics.metrics
+    m.add_spec_decode(5)
+    m.spec_confidence([1.0, 0.55, 0.31, 0.02], num_draft=4, num_accepted=2)
+    m.spec_confidence([0.93], num_draft=1, num_accepted=0)
+    got = {b: (_metric_label(_Metrics, "dsv41:spec_decode_confidence_drafts_total", f'bin="{b}"'),
+               _metric_label(_Metrics, "dsv41:spec_decode_confidence_accepted_total", f'bin="{b}"'))
+           for b in ("0.0", "0.3", "0.5", "0.9")}
+    assert got == {"0.0": (0, 0), "0.3": (1, 0), "0.5": (1, 1), "0.9": (2, 1)}
