@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from dsv41.train.data import Rows
+from dsv41.train.data import DataError, Rows
 
 _spec = importlib.util.spec_from_file_location("target_outputs",
                                                Path(__file__).resolve().parents[1] / "tools" / "target_outputs.py")
@@ -41,5 +41,5 @@ def test_rows_are_prompt_slices_then_their_continuations_and_load_as_dspark_data
     np.save(tmp_path / "rows.npy", rows)
     drawn = Rows.load(tmp_path / "rows.npy", seq_len=16, batch=4, seed=0, bos_id=0, vocab_size=4096)
     assert drawn.batch_at(0).shape == (4, 17)
-    with pytest.raises(Exception, match="seq_len"):
+    with pytest.raises(DataError, match="seq_len"):
         Rows.load(tmp_path / "rows.npy", seq_len=32, batch=4, seed=0, bos_id=0, vocab_size=4096)
