@@ -28,11 +28,18 @@ from __future__ import annotations
 import itertools
 import statistics
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from serving.engine.spec_policy import concurrency_bucket
+
+
+def reached_drafts(num_draft: int, num_accepted: int, limit: int) -> Iterator[tuple[int, bool]]:
+    """The draft positions (< `limit`) a verification of `num_draft` drafts that accepted the first `num_accepted`
+    reached - every draft before them accepted - and whether each was accepted."""
+    for i in range(min(num_accepted + 1, num_draft, limit)):
+        yield i, i < num_accepted
 
 
 @dataclass
@@ -50,9 +57,9 @@ class Acceptance:
 
     def observe(self, num_draft: int, num_accepted: int) -> None:
         """A verification of `num_draft` drafts accepted the first `num_accepted`."""
-        for i in range(min(num_accepted + 1, num_draft, len(self.reached))):
+        for i, accepted in reached_drafts(num_draft, num_accepted, len(self.reached)):
             self.reached[i] = self.decay * self.reached[i] + 1.0
-            self.accepted[i] = self.decay * self.accepted[i] + float(i < num_accepted)
+            self.accepted[i] = self.decay * self.accepted[i] + float(accepted)
 
 
 class RequestDrafts(NamedTuple):

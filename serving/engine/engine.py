@@ -100,7 +100,8 @@ class Engine:
         self.spec_policy = None
         if self.spec:
             self.metrics.add_spec_decode(self.spec.num_speculative_tokens)
-            self.spec_policy = SpeculationPolicy(self.spec.num_speculative_tokens, adaptive=self.spec.adaptive)
+            self.spec_policy = SpeculationPolicy(self.spec.num_speculative_tokens, adaptive=self.spec.adaptive,
+                                                 step_shape=self._decode_shape)
         # adaptive: each request's share of the policy's k, by its drafts' expected acceptance and the measured cost of
         # the compiled shape the step's rows run on (fixed k: every request verifies k)
         self.draft_allocator = (DraftAllocator(self.spec.num_speculative_tokens, step_shape=self._decode_shape)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from serving.engine.draft_allocation import reached_drafts
+
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
             80.0, 160.0, 640.0, 2560.0)
 _ITL = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -94,10 +96,10 @@ class EngineMetrics:
     def spec_confidence(self, confidence: list[float], num_draft: int, num_accepted: int) -> None:
         """A greedy verification of `num_draft` drafts, the first `num_accepted` accepted, which the drafter rated
         `confidence` (per draft): each draft verification reached, by its confidence's bin."""
-        for i in range(min(num_accepted + 1, num_draft, len(confidence))):
+        for i, was_accepted in reached_drafts(num_draft, num_accepted, len(confidence)):
             reached, accepted = self._confidence_bins[min(max(int(confidence[i] * 10), 0), 9)]
             reached.inc()
-            if i < num_accepted:
+            if was_accepted:
                 accepted.inc()
 
     def add_multiprocess(self) -> None:

@@ -22,9 +22,13 @@ An arm holds for a block of `block_steps` steps. For each concurrency the policy
 k >= 1 that might beat plain there by `margin` - its measured tokens per step (1 + k before any) over its relative
 step time at the nearest lower concurrency where that is measured (1 if none: more rows per step only make
 verification relatively dearer) - then plays the fastest: a k >= 1 only at `margin` times plain's speed (what its
-prefill steps cost, one at a time, is not in it). It re-tries plain or a neighbour of the best (k - 1 or k + 1:
-nearest, cheapest to try, and where the best moves first), in turn, so a drafter that starts to be accepted (or
-stops) moves the choice. A re-try waits `explore_every` blocks, doubled after each re-try that did not move the
+prefill steps cost, one at a time, is not in it). A trial lasts only until it can be measured (`min_steps` + 1 steps:
+the first may verify nothing), since many requests may pay for a losing one. Arms are only those a step's compiled
+shape tells apart (`step_shape`, the engine's token and kept-row buckets of the step's rows): where k and k + 1 drafts
+per request run on one shape, they cost the same and k + 1 emits at least as much, so k is never tried or played
+(with one request and an 8-row smallest bucket, only k = 5 of 1..5). It re-tries plain or a neighbour of the best
+(the next arm below or above: nearest, cheapest to try, and where the best moves first), in turn, so a drafter that
+starts to be accepted (or stops) moves the choice. A re-try waits `explore_every` blocks, doubled after each re-try that did not move the
 choice (up to `max_wait`), and at least until what it loses against the best is `explore_budget` of the blocks since
 the last. The loss is measured: a block of an arm at half the best's speed loses one block, and a re-try between plain
 and speculation also pays the step into speculation (it verifies nothing, drafts, and ends async scheduling's
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 
@@ -57,12 +62,18 @@ class _Concurrency:
     left: int = 0
 
 
+def _rows(rows: int) -> Hashable:
+    return rows
+
+
 @dataclass
 class SpeculationPolicy:
-    """`max_k`: the drafts a step may verify (num_speculative_tokens). `adaptive` False: always `max_k`."""
+    """`max_k`: the drafts a step may verify (num_speculative_tokens). `adaptive` False: always `max_k`. `step_shape`:
+    the compiled shape a decode step of that many rows runs on (default: every row count its own)."""
 
     max_k: int
     adaptive: bool = True
+    step_shape: Callable[[int], Hashable] = _rows
     block_steps: int = 8  # steps an arm holds
     explore_every: int = 16  # blocks before the first re-try (plain or a neighbour of the best arm, in turn)
     max_wait: int = 1024  # the most blocks a fruitless re-try doubles the wait to
@@ -92,18 +103,30 @@ class SpeculationPolicy:
         elif c.retried:
             c.backoff = self.explore_every
         c.retried = False
-        trials = [k for k in range(self.max_k + 1) if self._worth_a_trial(b, k)]
+        arms = self.arms(running)
+        trials = [k for k in arms if self._worth_a_trial(b, k)]
+        steps = self.block_steps
         if trials:
             arm, c.backoff, c.since = trials[0], self.explore_every, 0
             c.tried.add(arm)
+            if arm:
+                steps = min(steps, self.min_steps + 1)
         else:
             arm, c.since = best, c.since + 1
-            others = sorted({k for k in (0, best - 1, best + 1) if 0 <= k <= self.max_k and k != best})
+            below, above = [k for k in arms if k < best], [k for k in arms if k > best]
+            others = sorted({0, *below[-1:], *above[:1]} - {best})
             retry = others[c.flips % len(others)]
             if c.since >= c.backoff and c.since * self.explore_budget >= self._loss(b, best, retry):
                 arm, c.flips, c.retried, c.since = retry, c.flips + 1, True, 0
-        c.best_before, c.arm, c.left = best, arm, self.block_steps - 1
+        c.best_before, c.arm, c.left = best, arm, steps - 1
         return arm
+
+    def arms(self, running: int) -> list[int]:
+        """The ks a step of `running` requests tells apart: plain, and each k whose rows run on another compiled shape
+        than k + 1's (max_k always)."""
+        shape = self.step_shape
+        return [0] + [k for k in range(1, self.max_k + 1)
+                      if k == self.max_k or shape(running * (1 + k)) != shape(running * (2 + k))]
 
     def best(self, running: int) -> int:
         """The arm measured fastest at this concurrency, a k >= 1 only at `margin` times plain's speed or more."""

@@ -140,8 +140,9 @@ def test_a_re_try_into_speculation_also_pays_the_step_into_it():
             p.record(1, 8, 8, 9.0, verified=False)  # the switch step, then the arm's own
         p.record(k, 8, 8, 2.0 if k else 1.0)
         chosen.append(k)
-    blocks = [i // 4 for i, k in enumerate(chosen) if k and (i == 0 or not chosen[i - 1])]
-    assert blocks == [1, 301, 601, 901, 1201]  # the trial, then a re-try every 300 blocks
+    starts = [i for i, k in enumerate(chosen) if k and (i == 0 or not chosen[i - 1])]
+    # the trial after plain's first block (min_steps + 1 = 2 steps), then a re-try every 300 blocks of 4 steps
+    assert starts == [4, 6 + 299 * 4] + [6 + 299 * 4 + 300 * 4 * n for n in (1, 2, 3)]
 
 
 def test_an_arm_is_tried_once_per_concurrency():
@@ -160,3 +161,29 @@ def test_a_re_try_unmeasured_here_waits_by_the_lower_concurrency_estimate():
     _run(p, 2, {0: (1, 1.0), 1: (1.5, 3.0)}, 2)
     chosen = _run(p, 8, {0: (1, 1.0), 1: (1.5, 3.0)}, 250)
     assert [i for i, k in enumerate(chosen) if k] == [100, 200]
+
+
+def _buckets(rows, ladder=(8, 16, 32, 64, 128)):
+    return next(b for b in ladder if b >= rows)
+
+
+def test_only_arms_on_different_compiled_shapes_are_tried():
+    """k and k + 1 drafts per request on one token bucket cost the same and k + 1 emits at least as much: alone (2-6
+    rows, all in the 8-row bucket) only k = 5 is an arm; at 8 running, 16 / 32 / 64-row steps: k = 1, 3, 5."""
+    p = SpeculationPolicy(5, step_shape=_buckets, block_steps=8, min_steps=4, explore_every=1000)
+    assert p.arms(1) == [0, 5] and p.arms(8) == [0, 1, 3, 5] and p.arms(6) == [0, 1, 4, 5]
+    alone = _run(p, 1, {0: (1, 1.0), 5: (3.5, 1.0)}, 8 + 5 + 20)
+    assert alone == [0] * 8 + [5] * 25  # a trial of min_steps + 1, then the fastest plays
+    q = SpeculationPolicy(5, step_shape=_buckets, block_steps=8, min_steps=4, explore_every=1000)
+    arms = {0: (1, 1.0), 1: (1.8, 1.6), 3: (2.9, 2.5), 5: (3.5, 4.5)}
+    assert _run(q, 8, arms, 8 + 15 + 16) == [0] * 8 + [1] * 5 + [3] * 5 + [5] * 5 + [0] * 16
+
+
+def test_a_re_try_goes_to_the_next_arm_a_shape_tells_apart():
+    """Best k = 3 at 8 running: its neighbours are k = 1 and k = 5, not 2 and 4 (on k = 3's and k = 5's shapes), and
+    plain."""
+    p = SpeculationPolicy(5, step_shape=_buckets, block_steps=1, min_steps=1, window=1, token_window=1,
+                          explore_every=1, explore_budget=1)
+    chosen = _run(p, 8, {0: (1, 1.0), 1: (1.5, 1.0), 3: (3.0, 1.0), 5: (3.2, 2.0)}, 4 + 40)
+    assert chosen[:4] == [0, 1, 3, 5] and p.best(8) == 3
+    assert {k for k in chosen[4:] if k != 3} == {0, 1, 5}
