@@ -7,6 +7,8 @@ acceptance  held-out prompts (passages of *Persuasion*, which training never saw
             (Every step verifies k drafts: `"adaptive": false`.) At k = block, the drafter's confidence head against
             verification: per tenth of its confidence, the fraction of drafts accepted (`/metrics`'
             `dsv41:spec_decode_confidence_*`).
+sampled     the same prompts at k = block, sampled at `--temperatures` (a seed per prompt): acceptance length and
+            per-position rate, where a draft passes with probability min(1, p / q).
 throughput  decode tokens/s of the engine's step loop (scheduler, runner, detokenizer) at c = 1 and c = 8 concurrent
             requests, speculation off, on with the adaptive default and on at k = block every step, alternating,
             `--repeats` each, medians: tokens generated after every request had its first token, over the time
@@ -35,14 +37,16 @@ def _engine(model, tok, spec: str | None, c: int, args):
     return Engine(model, tok, EngineArgs.of(**kw, speculative_config=spec), progress=False)
 
 
-def _run(engine, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float, int]:
-    """Greedy outputs, and the decode window: (outputs, seconds from every request's first token to the last token,
-    tokens generated in that window)."""
+def _run(engine, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0
+         ) -> tuple[list[list[int]], float, int]:
+    """Outputs (greedy, or sampled at `temperature` with a seed per prompt), and the decode window: (outputs, seconds
+    from every request's first token to the last token, tokens generated in that window)."""
     from serving.runtime.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     out = {}
     for i, p in enumerate(prompts):
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
+                                seed=i if temperature else None)
         engine.add_request(f"b{i}", p, params)
         out[f"b{i}"] = []
     t_all_first = None
@@ -64,6 +68,14 @@ def _counter(engine, name: str, position: int | None = None, label: str | None =
     return 0.0
 
 
+def _acceptance_row(eng, k: int) -> dict:
+    drafts = _counter(eng, "vllm:spec_decode_num_drafts")
+    acc = _counter(eng, "vllm:spec_decode_num_accepted_tokens")
+    return {"k": k, "verification_steps": int(drafts), "accepted": int(acc), "acceptance_length": 1 + acc / drafts,
+            "per_position_rate": [_counter(eng, "vllm:spec_decode_num_accepted_tokens_per_pos", i) / drafts
+                                  for i in range(k)]}
+
+
 def acceptance(model, tok, prompts, plain_out, args) -> list[dict]:
     rows = []
     B = model.config.dspark_block_size
@@ -71,15 +83,21 @@ def acceptance(model, tok, prompts, plain_out, args) -> list[dict]:
         eng = _engine(model, tok, json.dumps({"method": "dspark", "num_speculative_tokens": k, "adaptive": False}),
                       len(prompts), args)
         out, _, _ = _run(eng, prompts, args.max_tokens)
-        drafts = _counter(eng, "vllm:spec_decode_num_drafts")
-        acc = _counter(eng, "vllm:spec_decode_num_accepted_tokens")
-        rows.append({"k": k, "verification_steps": int(drafts), "accepted": int(acc),
-                     "acceptance_length": 1 + acc / drafts,
-                     "per_position_rate": [_counter(eng, "vllm:spec_decode_num_accepted_tokens_per_pos", i) / drafts
-                                           for i in range(k)],
-                     "outputs_equal_plain": sum(a == b for a, b in zip(out, plain_out)), "prompts": len(prompts),
-                     "confidence_bins": confidence_bins(eng)})
+        rows.append({**_acceptance_row(eng, k), "outputs_equal_plain": sum(a == b for a, b in zip(out, plain_out)),
+                     "prompts": len(prompts), "confidence_bins": confidence_bins(eng)})
         print(f"k={k}: acceptance length {rows[-1]['acceptance_length']:.3f}", flush=True)
+    return rows
+
+
+def sampled_acceptance(model, tok, prompts, args) -> list[dict]:
+    """At k = block, sampled requests (a seed each): drafts pass verification with probability min(1, p / q), the
+    target's over the drafter's probability of the draft, so acceptance falls as the temperature rises."""
+    B, rows = model.config.dspark_block_size, []
+    for t in args.temperatures:
+        eng = _engine(model, tok, json.dumps({"method": "dspark", "adaptive": False}), len(prompts), args)
+        _run(eng, prompts, args.max_tokens, temperature=t)
+        rows.append({"temperature": t, **_acceptance_row(eng, B)})
+        print(f"temperature {t}: acceptance length {rows[-1]['acceptance_length']:.3f}", flush=True)
     return rows
 
 
@@ -125,6 +143,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", type=Path, default=None, help="a nano-austen folder (default: the built-in one)")
     ap.add_argument("--skip-throughput", action="store_true", help="the acceptance table only")
     ap.add_argument("--prompts", type=int, default=16, help="held-out prompts for the acceptance table")
+    ap.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")], default=[0.7, 1.0],
+                    help="sampled requests' acceptance at k = block, at these temperatures")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
@@ -149,12 +169,18 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"model": folder.name, "dtype": model.dtype.name, "block": model.config.dspark_block_size,
               "prompts": args.prompts, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
               "acceptance": acceptance(model, tok, prompts, plain_out, args),
+              "sampled": sampled_acceptance(model, tok, prompts, args),
               "throughput": [] if args.skip_throughput else throughput(model, tok, prompts, args)}
     print("\n| k | acceptance length | per-position acceptance rate | outputs equal to plain |")
     print("|---|---|---|---|")
     for r in result["acceptance"]:
         rates = " / ".join(f"{x:.2f}" for x in r["per_position_rate"])
         print(f"| {r['k']} | {r['acceptance_length']:.3f} | {rates} | {r['outputs_equal_plain']}/{r['prompts']} |")
+    print("\n| temperature (k = block, sampled) | acceptance length | per-position acceptance rate |")
+    print("|---|---|---|")
+    for r in result["sampled"]:
+        rates = " / ".join(f"{x:.2f}" for x in r["per_position_rate"])
+        print(f"| {r['temperature']} | {r['acceptance_length']:.3f} | {rates} |")
     top = result["acceptance"][-1]
     print(f"\nThe drafter's confidence head at k = {top['k']} (greedy): drafts verified with every draft before them "
           "accepted, by the head's confidence")

@@ -4,9 +4,9 @@ Two servers on the built-in nano-austen with default flags, one of them with `--
 "dspark"}'` (adaptive k, the default), both measured once every program is compiled (the banner's "all programs
 compiled"). At each concurrency c: waves of max(2c, 8) held-out *Persuasion* passages (64 tokens, fresh ones each
 wave: no prefix hits), 64 greedy tokens each (ignore_eos, no min_tokens), c lanes; one warm-up wave per server
-(the speculation policy measures its arms there), then `--repeats` waves alternating off / on. Output tok/s of a
-wave = its output tokens / its wall time; medians. For the speculating server: the steps it ran by k and its
-acceptance during the measured waves (`/metrics`), and how many outputs equal the plain server's.
+(the speculation policy measures its arms there), then `--repeats` pairs of waves, off / on, then on / off, and so
+on. Output tok/s of a wave = its output tokens / its wall time; medians. For the speculating server: the steps it ran
+by k and its acceptance during the measured waves (`/metrics`), and how many outputs equal the plain server's.
 
     python -m serving.bench.spec_server [--concurrency 1,2,4,8,16,32] [--repeats 3] [--json spec_server.json]
 """
@@ -76,10 +76,10 @@ def measure(urls: dict[str, str], c: int, args, passages) -> dict:
         asyncio.run(_wave(url, prompts(), c, args.max_tokens))
     before = _counters(urls["on"])
     rates, equal, total = {"off": [], "on": []}, 0, 0
-    for _ in range(args.repeats):
+    for r in range(args.repeats):
         batch, got = prompts(), {}
-        for name, url in urls.items():
-            rate, got[name] = asyncio.run(_wave(url, batch, c, args.max_tokens))
+        for name in ("off", "on") if r % 2 == 0 else ("on", "off"):  # a VM slowing or speeding favours neither
+            rate, got[name] = asyncio.run(_wave(urls[name], batch, c, args.max_tokens))
             rates[name].append(rate)
         equal += sum(a == b for a, b in zip(got["off"], got["on"]))
         total += len(batch)

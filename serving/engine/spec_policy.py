@@ -19,9 +19,10 @@ tokens per request per step / its step time relative to a plain step's:
     is the drafter's and the text's, not the batch's); 1 for plain steps. A first speculative step after plain ones
     verifies nothing (no request has drafts yet) and is not counted.
 An arm holds for a block of `block_steps` steps. For each concurrency the policy plays plain first, then tries each
-k >= 1 that might beat plain there by `margin` - its measured tokens per step (1 + k before any) over its relative
-step time at the nearest lower concurrency where that is measured (1 if none: more rows per step only make
-verification relatively dearer) - then plays the fastest: a k >= 1 only at `margin` times plain's speed (what its
+k >= 1 that might beat plain there by `margin` - its most tokens per step (measured, else 1 + k and what the other
+arms' measured tokens bound) over its least relative step time (the largest measured of an arm j <= k at this or a
+lower concurrency: fewer rows in a step cost less, and verification is relatively dearer with more rows per step;
+tried where none is measured) - then plays the fastest: a k >= 1 only at `margin` times plain's speed (what its
 prefill steps cost, one at a time, is not in it). A trial lasts only until it can be measured (`min_steps` + 1 steps:
 the first may verify nothing), since many requests may pay for a losing one. Arms are only those a step's compiled
 shape tells apart (`step_shape`, the engine's token and kept-row buckets of the step's rows): where k and k + 1 drafts
@@ -197,16 +198,25 @@ class SpeculationPolicy:
         return max(speed[best] / speed[arm] - 1, 0.0) + into / self.block_steps
 
     def _estimate(self, b: int, k: int) -> float | None:
-        """Arm k's speed relative to plain here: measured, or at most its tokens per step (1 + k before any are
-        measured) over its relative step time at the nearest lower concurrency where that is measured."""
+        """Arm k's speed relative to plain here: measured, or at most its most tokens per step over its least
+        relative step time. That step time is at least any measured one of an arm j <= k at this concurrency or a
+        lower one (fewer rows in a step at this concurrency cost less; verification is relatively dearer with more
+        rows per step); None where none is measured."""
         if k == 0:
             return 1.0
         if (speed := self._speed(b, k)) is not None:
             return speed
-        for lower in sorted((x for x in self._by_bucket if x < b), reverse=True):
-            if (r := self._step_ratio(lower, k)) is not None:
-                return (self._tokens_per_step(k) or 1.0 + k) / r
-        return None
+        ratios = [r for lower in self._by_bucket if lower <= b for j in range(1, k + 1)
+                  if (lower, j) != (b, k) and (r := self._step_ratio(lower, j)) is not None]
+        return self._most_tokens(k) / max(ratios) if ratios else None
+
+    def _most_tokens(self, k: int) -> float:
+        """Arm k's tokens per request per step, measured, or at most 1 + k and what the measured arms bound: an arm
+        j > k accepts at least as many of the same drafts, an arm j < k at most k - j fewer."""
+        if (tokens := self._tokens_per_step(k)) is not None:
+            return tokens
+        return min([1.0 + k] + [t + max(k - j, 0) for j in range(1, self.max_k + 1)
+                                if j != k and (t := self._tokens_per_step(j)) is not None])
 
     def _worth_a_trial(self, b: int, k: int) -> bool:
         """Whether arm k might beat plain by the margin here and is untried (plain: whether it is untried)."""

@@ -79,12 +79,23 @@ def test_tokens_per_step_are_pooled_over_concurrencies():
 
 
 def test_an_arm_that_lost_at_a_lower_concurrency_is_not_tried_at_a_higher_one():
-    """Verification's step time relative to plain's only grows with the rows of a step: at 2 running, arm 1 took 3x
-    plain's time for 1.8 tokens; at 8 it is not tried (until the first re-try), arm 2 (1.1x for 2.2 tokens) is."""
+    """Verification's step time relative to plain's only grows with the rows of a step: at 2 running, arm 2 took 3x
+    plain's time for 2.2 tokens; at 8 it is not tried (until the first re-try), arm 1 (1.2x for 1.8 tokens) is."""
     p = _policy(2, explore_every=16)
-    _run(p, 2, {0: (1, 1.0), 1: (1.8, 3.0), 2: (2.2, 1.1)}, 12)
-    chosen = _run(p, 8, {0: (1, 2.0), 1: (1.8, 6.0), 2: (2.2, 2.2)}, 40)
-    assert chosen[:8] == [0] * 4 + [2] * 4 and 1 not in chosen
+    _run(p, 2, {0: (1, 1.0), 1: (1.8, 1.2), 2: (2.2, 3.0)}, 12)
+    chosen = _run(p, 8, {0: (1, 2.0), 1: (1.8, 2.4), 2: (2.2, 6.0)}, 40)
+    assert chosen[:8] == [0] * 4 + [1] * 4 and 2 not in chosen
+
+
+def test_an_unmeasured_arm_is_bounded_by_the_smaller_arms_measured():
+    """Arms 2 and 3 never ran anywhere: at 8 their step time is at least arm 1's at 2 running (3x plain: fewer rows,
+    a lower concurrency) and their tokens at most arm 1's 1.5 + 1 and + 2, so 2.5 / 3 and 3.5 / 3 are under the
+    margin and neither is tried (before, an arm unmeasured at every lower concurrency was tried: 1 + k tokens)."""
+    p = _policy(3, explore_every=1000)
+    _run(p, 2, {0: (1, 1.0), 1: (1.5, 3.0)}, 8)
+    assert p._estimate(8, 3) == (1.5 + 2) / 3.0 and p._estimate(8, 2) == (1.5 + 1) / 3.0
+    chosen = _run(p, 8, {0: (1, 1.0), 1: (1.5, 3.0), 2: (2.0, 3.5), 3: (2.5, 4.0)}, 24)
+    assert chosen == [0] * 24
 
 
 def test_neighbours_are_re_tried_and_a_change_moves_the_choice():
