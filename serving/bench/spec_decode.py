@@ -14,7 +14,8 @@ throughput  decode tokens/s of the engine's step loop (scheduler, runner, detoke
             `--repeats` each, medians: tokens generated after every request had its first token, over the time
             from then to the last token. The server-level comparison: `serving.bench.spec_server`.
 
-    python -m serving.bench.spec_decode [--dtype auto] [--json docs/benchmarks/spec_decode.json]
+    python -m serving.bench.spec_decode [--dtype auto] [--skip-acceptance | --skip-throughput] [--concurrency 1,8]
+        [--json docs/benchmarks/spec_decode.json]
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ def confidence_bins(engine) -> list[dict]:
 def throughput(model, tok, prompts, args) -> list[dict]:
     B = model.config.dspark_block_size
     rows = []
-    for c in (1, 8):
+    for c in args.concurrency:
         engines = {"off": _engine(model, tok, None, c, args),
                    "adaptive": _engine(model, tok, json.dumps({"method": "dspark"}), c, args),
                    "on": _engine(model, tok, json.dumps({"method": "dspark", "num_speculative_tokens": B,
@@ -137,11 +138,43 @@ def throughput(model, tok, prompts, args) -> list[dict]:
     return rows
 
 
+def _print(result: dict) -> None:
+    if result["acceptance"]:
+        print("\n| k | acceptance length | per-position acceptance rate | outputs equal to plain |")
+        print("|---|---|---|---|")
+        for r in result["acceptance"]:
+            rates = " / ".join(f"{x:.2f}" for x in r["per_position_rate"])
+            print(f"| {r['k']} | {r['acceptance_length']:.3f} | {rates} | {r['outputs_equal_plain']}/{r['prompts']} |")
+        print("\n| temperature (k = block, sampled) | acceptance length | per-position acceptance rate |")
+        print("|---|---|---|")
+        for r in result["sampled"]:
+            rates = " / ".join(f"{x:.2f}" for x in r["per_position_rate"])
+            print(f"| {r['temperature']} | {r['acceptance_length']:.3f} | {rates} |")
+        top = result["acceptance"][-1]
+        print(f"\nThe drafter's confidence head at k = {top['k']} (greedy): drafts verified with every draft before "
+              "them accepted, by the head's confidence")
+        print("\n| confidence | drafts | accepted |")
+        print("|---|---|---|")
+        for r in top["confidence_bins"]:
+            if r["drafts"]:
+                print(f"| {r['bin']}-{float(r['bin']) + 0.1:.1f} | {r['drafts']} | {r['accepted_rate']:.2f} |")
+    if result["throughput"]:
+        print("\n| concurrency | decode tok/s off | adaptive | adaptive / off | k = block every step "
+              "| k = block / off |")
+        print("|---|---|---|---|---|---|")
+        for r in result["throughput"]:
+            print(f"| {r['concurrency']} | {r['tokens_per_s_off']:.1f} | {r['tokens_per_s_adaptive']:.1f} | "
+                  f"{r['adaptive_speedup']:.2f} | {r['tokens_per_s_on']:.1f} | {r['speedup']:.2f} |")
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--model", type=Path, default=None, help="a nano-austen folder (default: the built-in one)")
     ap.add_argument("--skip-throughput", action="store_true", help="the acceptance table only")
+    ap.add_argument("--skip-acceptance", action="store_true", help="the throughput table only")
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8],
+                    help="the throughput table's concurrencies")
     ap.add_argument("--prompts", type=int, default=16, help="held-out prompts for the acceptance table")
     ap.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")], default=[0.7, 1.0],
                     help="sampled requests' acceptance at k = block, at these temperatures")
@@ -164,36 +197,16 @@ def main(argv: list[str] | None = None) -> dict:
     model = dsv41.load(folder, dtype=dsv41.auto_dtype({}, release=True).name if args.dtype == "auto" else args.dtype)
     tok = Tokenizer.from_dir(folder)
     prompts = [list(map(int, p)) for p in nano.passages(args.prompt_len, args.prompts, folder)]
-    plain = _engine(model, tok, None, len(prompts), args)
-    plain_out, _, _ = _run(plain, prompts, args.max_tokens)
     result = {"model": folder.name, "dtype": model.dtype.name, "block": model.config.dspark_block_size,
               "prompts": args.prompts, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
-              "acceptance": acceptance(model, tok, prompts, plain_out, args),
-              "sampled": sampled_acceptance(model, tok, prompts, args),
-              "throughput": [] if args.skip_throughput else throughput(model, tok, prompts, args)}
-    print("\n| k | acceptance length | per-position acceptance rate | outputs equal to plain |")
-    print("|---|---|---|---|")
-    for r in result["acceptance"]:
-        rates = " / ".join(f"{x:.2f}" for x in r["per_position_rate"])
-        print(f"| {r['k']} | {r['acceptance_length']:.3f} | {rates} | {r['outputs_equal_plain']}/{r['prompts']} |")
-    print("\n| temperature (k = block, sampled) | acceptance length | per-position acceptance rate |")
-    print("|---|---|---|")
-    for r in result["sampled"]:
-        rates = " / ".join(f"{x:.2f}" for x in r["per_position_rate"])
-        print(f"| {r['temperature']} | {r['acceptance_length']:.3f} | {rates} |")
-    top = result["acceptance"][-1]
-    print(f"\nThe drafter's confidence head at k = {top['k']} (greedy): drafts verified with every draft before them "
-          "accepted, by the head's confidence")
-    print("\n| confidence | drafts | accepted |")
-    print("|---|---|---|")
-    for r in top["confidence_bins"]:
-        if r["drafts"]:
-            print(f"| {r['bin']}-{float(r['bin']) + 0.1:.1f} | {r['drafts']} | {r['accepted_rate']:.2f} |")
-    print("\n| concurrency | decode tok/s off | adaptive | adaptive / off | k = block every step | k = block / off |")
-    print("|---|---|---|---|---|---|")
-    for r in result["throughput"]:
-        print(f"| {r['concurrency']} | {r['tokens_per_s_off']:.1f} | {r['tokens_per_s_adaptive']:.1f} | "
-              f"{r['adaptive_speedup']:.2f} | {r['tokens_per_s_on']:.1f} | {r['speedup']:.2f} |")
+              "acceptance": [], "sampled": [], "throughput": []}
+    if not args.skip_acceptance:
+        plain_out, _, _ = _run(_engine(model, tok, None, len(prompts), args), prompts, args.max_tokens)
+        result["acceptance"] = acceptance(model, tok, prompts, plain_out, args)
+        result["sampled"] = sampled_acceptance(model, tok, prompts, args)
+    if not args.skip_throughput:
+        result["throughput"] = throughput(model, tok, prompts, args)
+    _print(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return result
