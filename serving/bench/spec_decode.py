@@ -9,10 +9,10 @@ acceptance  held-out prompts (passages of *Persuasion*, which training never saw
             `dsv41:spec_decode_confidence_*`).
 sampled     the same prompts at k = block, sampled at `--temperatures` (a seed per prompt): acceptance length and
             per-position rate, where a draft passes with probability min(1, p / q).
-throughput  decode tokens/s of the engine's step loop (scheduler, runner, detokenizer) at c = 1 and c = 8 concurrent
-            requests, speculation off, on with the adaptive default and on at k = block every step, alternating,
-            `--repeats` each, medians: tokens generated after every request had its first token, over the time
-            from then to the last token. The server-level comparison: `serving.bench.spec_server`.
+throughput  decode tokens/s of the engine's step loop (scheduler, runner, detokenizer) at `--concurrency` (default
+            1 and 8) concurrent requests, speculation off, on with the adaptive default and on at k = block every
+            step, alternating, `--repeats` each, medians: tokens generated after every request had its first token,
+            over the time from then to the last token. The server-level comparison: `serving.bench.spec_server`.
 
     python -m serving.bench.spec_decode [--dtype auto] [--skip-acceptance | --skip-throughput] [--concurrency 1,8]
         [--json docs/benchmarks/spec_decode.json]

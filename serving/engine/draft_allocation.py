@@ -32,7 +32,7 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from serving.engine.spec_policy import concurrency_bucket
+from serving.engine.spec_policy import concurrency_bucket, row_count_shape
 
 
 def reached_drafts(num_draft: int, num_accepted: int, limit: int) -> Iterator[tuple[int, bool]]:
@@ -70,10 +70,6 @@ class RequestDrafts(NamedTuple):
     confidence: Sequence[float] | None = None  # the drafter's confidence in each (greedy requests); None: the counts
 
 
-def _rows(rows: int) -> Hashable:
-    return rows
-
-
 @dataclass
 class DraftAllocator:
     """`max_k`: drafts per request at most. `step_shape`: the compiled shape a decode step of that many rows runs on
@@ -83,7 +79,7 @@ class DraftAllocator:
     concurrency and shape; `min_steps`: steps a shape's time needs."""
 
     max_k: int
-    step_shape: Callable[[int], Hashable] = _rows
+    step_shape: Callable[[int], Hashable] = row_count_shape
     prior: float = 2.0
     request_decay: float = 0.8
     engine_decay: float = 0.99

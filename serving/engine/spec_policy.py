@@ -19,22 +19,22 @@ tokens per request per step / its step time relative to a plain step's:
     is the drafter's and the text's, not the batch's); 1 for plain steps. A first speculative step after plain ones
     verifies nothing (no request has drafts yet) and is not counted.
 An arm holds for a block of `block_steps` steps. For each concurrency the policy plays plain first, then tries each
-k >= 1 that might beat plain there by `margin` - its most tokens per step (measured, else 1 + k and what the other
-arms' measured tokens bound) over its least relative step time (the largest measured of an arm j <= k at this or a
-lower concurrency: fewer rows in a step cost less, and verification is relatively dearer with more rows per step;
-tried where none is measured) - then plays the fastest: a k >= 1 only at `margin` times plain's speed (what its
-prefill steps cost, one at a time, is not in it). A trial lasts only until it can be measured (`min_steps` + 1 steps:
-the first may verify nothing), since many requests may pay for a losing one. Arms are only those a step's compiled
-shape tells apart (`step_shape`, the engine's token and kept-row buckets of the step's rows): where k and k + 1 drafts
-per request run on one shape, they cost the same and k + 1 emits at least as much, so k is never tried or played
-(with one request and an 8-row smallest bucket, only k = 5 of 1..5). It re-tries plain or a neighbour of the best
-(the next arm below or above: nearest, cheapest to try, and where the best moves first), in turn, so a drafter that
-starts to be accepted (or stops) moves the choice. A re-try waits `explore_every` blocks, doubled after each re-try that did not move the
-choice (up to `max_wait`), and at least until what it loses against the best is `explore_budget` of the blocks since
-the last. The loss is measured: a block of an arm at half the best's speed loses one block, and a re-try between plain
-and speculation also pays the step into speculation (it verifies nothing, drafts, and ends async scheduling's
-overlap: on a 2-core CPU most of what a re-try of k = 1 costs). Where speculation loses by far (a 2-core CPU, where a
-verifying step costs ~3 plain ones) the re-tries take ~1% of the time.
+k >= 1 that might beat plain there by `margin` - its most tokens per step (measured, else 1 + k and what the other arms'
+measured tokens bound) over its least relative step time (the largest measured of an arm j <= k at this or a lower
+concurrency: fewer rows in a step cost less, and verification is relatively dearer with more rows per step; tried where
+none is measured) - then plays the fastest: a k >= 1 only at `margin` times plain's speed (what its prefill steps cost,
+one at a time, is not in it). A trial lasts only until it can be measured (`min_steps` + 1 steps: the first may verify
+nothing), since many requests may pay for a losing one. Arms are only those a step's compiled shape tells apart
+(`step_shape`, the engine's token and kept-row buckets of the step's rows): where k and k + 1 drafts per request run on
+one shape, they cost the same and k + 1 emits at least as much, so k is never tried or played (with one request and an
+8-row smallest bucket, only k = 5 of 1..5). It re-tries plain or a neighbour of the best (the next arm below or above:
+nearest, cheapest to try, and where the best moves first), in turn, so a drafter that starts to be accepted (or stops)
+moves the choice. A re-try waits `explore_every` blocks, doubled after each re-try that did not move the choice (up to
+`max_wait`), and at least until what it loses against the best is `explore_budget` of the blocks since the last. The
+loss is measured: a block of an arm at half the best's speed loses one block, and a re-try between plain and speculation
+also pays the step into speculation (it verifies nothing, drafts, and ends async scheduling's overlap: on a 2-core CPU
+most of what a re-try of k = 1 costs). Where speculation loses by far (a 2-core CPU, where a verifying step costs ~3
+plain ones) the re-tries take ~1% of the time.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ class _Concurrency:
     left: int = 0
 
 
-def _rows(rows: int) -> Hashable:
+def row_count_shape(rows: int) -> Hashable:
+    """A step shape where every row count is its own (no compiled buckets)."""
     return rows
 
 
@@ -74,7 +75,7 @@ class SpeculationPolicy:
 
     max_k: int
     adaptive: bool = True
-    step_shape: Callable[[int], Hashable] = _rows
+    step_shape: Callable[[int], Hashable] = row_count_shape
     block_steps: int = 8  # steps an arm holds
     explore_every: int = 16  # blocks before the first re-try (plain or a neighbour of the best arm, in turn)
     max_wait: int = 1024  # the most blocks a fruitless re-try doubles the wait to
