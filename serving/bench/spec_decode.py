@@ -92,7 +92,7 @@ def acceptance(model, tok, prompts, plain_out, args) -> list[dict]:
 
 def sampled_acceptance(model, tok, prompts, args) -> list[dict]:
     """At k = block, sampled requests (a seed each): drafts pass verification with probability min(1, p / q), the
-    target's over the drafter's probability of the draft, so acceptance falls as the temperature rises."""
+    target's over the drafter's probability of the draft, both at the request's temperature."""
     B, rows = model.config.dspark_block_size, []
     for t in args.temperatures:
         eng = _engine(model, tok, json.dumps({"method": "dspark", "adaptive": False}), len(prompts), args)
