@@ -10,6 +10,12 @@ format. A program loaded from the persistent compilation cache runs under anothe
 embedded module carries, so an op's program is found by name: the embedded module of the same name whose
 instructions contain every op the program ran.
 
+On a GPU the kernels (and copies) are events on the device plane's stream lines (`/device:GPU:0`, `Stream #7(Compute)`),
+carrying the same three stats when XLA annotated their launch; the host threads then hold the launches, which are
+not device time. So where a trace has a device plane its ops are read from there only, a kernel without `hlo_op`
+(e.g. one inside a CUDA graph that XLA's command buffer replayed) counts under its kernel name, and each device gets
+a timeline: the time any stream ran a kernel against the idle gaps between them (`DeviceTimeline`).
+
 Device time is self time: nested ops (a while loop's body) run inside their parent on the same thread, and a
 parent's time excludes them, so totals add up.
 """
@@ -25,6 +31,7 @@ from pathlib import Path
 import jax
 
 PHASE_PREFIXES = ("engine.", "runner.")  # the engine's TraceAnnotation names
+UNATTRIBUTED = "(no hlo_op)"  # the module of a device kernel no XLA op annotated
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -39,11 +46,45 @@ class Stat:
 
 
 @dataclass
+class DeviceTimeline:
+    """One GPU's kernels (and copies) against its idle time, from the first kernel's start to the last one's end:
+    `busy_ns` is when any stream ran a kernel, `idle_ns` the rest (launch gaps, host round trips, waiting for the
+    host), `gaps_ns` each idle stretch, longest first."""
+
+    device: str
+    streams: int
+    kernels: int
+    kernel_ns: int  # summed over streams (kernels on two streams at once count twice)
+    busy_ns: int
+    window_ns: int
+    gaps_ns: list[int]
+
+    @property
+    def idle_ns(self) -> int:
+        return self.window_ns - self.busy_ns
+
+    @classmethod
+    def of(cls, device: str, lines: list) -> DeviceTimeline:
+        spans = [(start, end) for _, evs in lines for _, start, end, _ in evs]
+        busy = _union(spans)
+        gaps = sorted((b[0] - a[1] for a, b in zip(busy, busy[1:])), reverse=True)
+        return cls(device, sum(1 for _, evs in lines if evs), len(spans), sum(e - s for s, e in spans),
+                   sum(e - s for s, e in busy), busy[-1][1] - busy[0][0] if busy else 0, gaps)
+
+    def to_json(self, gaps: int = 10) -> dict:
+        return {"device": self.device, "streams": self.streams, "kernels": self.kernels,
+                "kernel_ms": self.kernel_ns / 1e6, "busy_ms": self.busy_ns / 1e6, "idle_ms": self.idle_ns / 1e6,
+                "window_ms": self.window_ns / 1e6, "idle_gaps": len(self.gaps_ns),
+                "longest_gaps_us": [g / 1e3 for g in self.gaps_ns[:gaps]]}
+
+
+@dataclass
 class TraceReport:
     xplane: Path
     phases: dict[str, Stat] = field(default_factory=dict)  # annotation name -> host time
     ops: dict[tuple[str, str], Stat] = field(default_factory=dict)  # (module, op_name) -> device self time
     unmatched: int = 0  # device op events whose op_name was not found
+    timelines: list[DeviceTimeline] = field(default_factory=list)  # per GPU (none on XLA:CPU)
 
     @property
     def device_ns(self) -> int:
@@ -67,7 +108,8 @@ class TraceReport:
                    for (module, op), s in _ranked(self.ops)[:top]]
         return {"xplane": str(self.xplane), "device_ms": self.device_ns / 1e6, "unmatched_op_events": self.unmatched,
                 "phases": rows(self.phases), "segments": rows(self.by_scope(1)), "layers": rows(self.by_scope(2)),
-                "scopes": rows(self.by_scope(3)), "top_ops": top_ops}
+                "scopes": rows(self.by_scope(3)), "top_ops": top_ops,
+                "devices": [t.to_json() for t in self.timelines]}
 
 
 def scope_path(op_name: str, module: str = "") -> list[str]:
@@ -110,17 +152,29 @@ def read_trace(path: str | Path) -> TraceReport:
     op_events: dict[tuple[str, int], list] = defaultdict(list)  # (module, program id) -> (hlo_op, self ns)
     with warnings.catch_warnings():  # jaxlib's stats type warns "has no __module__" on Python 3.12: noise
         warnings.simplefilter("ignore", DeprecationWarning)
-        threads = [[(ev.name, ev.start_ns, ev.end_ns, dict(ev.stats)) for ev in line.events]
-                   for plane in jax.profiler.ProfileData.from_serialized_xspace(raw).planes for line in plane.lines]
+        planes = [(plane.name, [(line.name, [(ev.name, int(ev.start_ns), int(ev.end_ns), dict(ev.stats))
+                                             for ev in line.events]) for line in plane.lines])
+                  for plane in jax.profiler.ProfileData.from_serialized_xspace(raw).planes]
+    gpus = [(name, _kernel_lines(lines)) for name, lines in planes if name.startswith("/device:GPU")]
+    gpus = [(name, lines) for name, lines in gpus if any(evs for _, evs in lines)]
+    for _, lines in planes:
+        for _, thread in lines:
+            for name, start, end, _ in thread:
+                if name.startswith(PHASE_PREFIXES):
+                    report.phases.setdefault(name, Stat()).add(end - start)
+    if gpus:  # the GPUs' kernels; the host threads' events that name an op are their launches
+        threads = [evs for _, lines in gpus for _, evs in lines]
+        report.timelines = [DeviceTimeline.of(name, lines) for name, lines in gpus]
+    else:  # XLA:CPU runs its ops on host threads
+        threads = [evs for _, lines in planes for _, evs in lines]
     for thread in threads:
-        events = []
-        for name, start, end, stats in thread:
-            if name.startswith(PHASE_PREFIXES):
-                report.phases.setdefault(name, Stat()).add(int(end - start))
-            elif "hlo_op" in stats:
-                events.append((start, end, stats))
-        for (_, _, stats), ns in zip(events, _self_times(events)):
-            op_events[stats.get("hlo_module", ""), stats.get("program_id", -1)].append((stats["hlo_op"], ns))
+        events = [(start, end, stats, name) for name, start, end, stats in thread
+                  if "hlo_op" in stats or (gpus and not name.startswith(PHASE_PREFIXES))]
+        for (_, _, stats, name), ns in zip(events, _self_times(events)):
+            if "hlo_op" in stats:
+                op_events[stats.get("hlo_module", ""), stats.get("program_id", -1)].append((stats["hlo_op"], ns))
+            else:  # a kernel no op annotated (e.g. one replayed inside a CUDA graph): counted under its own name
+                report.ops.setdefault((UNATTRIBUTED, name), Stat()).add(ns)
     for (module, _), evs in op_events.items():
         ran = {op for op, _ in evs}
         instructions = _match_program(modules.get(module, []), ran)
@@ -136,6 +190,24 @@ def read_trace(path: str | Path) -> TraceReport:
     return report
 
 
+def _kernel_lines(lines: list) -> list:
+    """A device plane's lines that hold its kernels: its streams (`Stream #7(Compute)`) where it names them, so lines
+    a tool derived from them (`XLA Ops`, `XLA Modules`, `Steps`) do not count their time twice."""
+    streams = [line for line in lines if line[0].startswith("Stream")]
+    return streams or lines
+
+
+def _union(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The disjoint spans covered by [start, end) intervals, in order."""
+    out: list[list[int]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return [(a, b) for a, b in out]
+
+
 def format_report(r: TraceReport, top: int = 20) -> str:
     total = r.device_ns or 1
     out = [f"trace: {r.xplane}"]
@@ -147,6 +219,11 @@ def format_report(r: TraceReport, top: int = 20) -> str:
             out.append(f"{s.ns / 1e6:10.3f} {pct} {s.count:7d}  {k}")
 
     table("host time by engine phase (TraceAnnotation; nested: engine.step holds the others)", r.phases, share=False)
+    for t in r.timelines:
+        out.append(f"\n{t.device}: {t.kernels} kernels on {t.streams} streams over {t.window_ns / 1e6:.3f} ms; "
+                   f"busy {t.busy_ns / 1e6:.3f} ms ({100 * t.busy_ns / max(t.window_ns, 1):.1f}%), idle "
+                   f"{t.idle_ns / 1e6:.3f} ms in {len(t.gaps_ns)} gaps (longest, us: "
+                   f"{', '.join(f'{g / 1e3:.1f}' for g in t.gaps_ns[:5]) or '-'})")
     table(f"device self time by segment (total {r.device_ns / 1e6:.3f} ms)", r.by_scope(1))
     table("by layer", r.by_scope(2), top)
     table("by named scope", r.by_scope(3), top)

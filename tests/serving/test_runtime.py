@@ -8,10 +8,12 @@ import pytest
 
 import dsv41
 from dsv41.bounded import bounded_logits
+from serving.runtime.batch import SeqChunk
 from serving.runtime.config import RuntimeConfig
 from serving.runtime.compiler import CompileInServingLoop
 from serving.runtime.runner import Runner
 from serving.runtime.programs import Program
+from serving.runtime.sampling_params import SamplingParams
 from tests.full_logits import full_logits
 from tests.serving.driver import Driver, compiled_runner
 
@@ -327,3 +329,38 @@ def test_the_largest_segment1_program_reuses_the_carry_probe_s_trace(model, monk
     assert len(traces) == 1
     r.compiler.lower(Program.SEGMENT1.at(8))
     assert len(traces) == 2
+
+
+def test_a_decode_step_reads_the_device_once_and_runs_three_programs(exact, monkeypatch):
+    """A plain step's launch neither reads a device array nor waits for one, and dispatches its three programs
+    (segment 1, segment 2, the sampler on its requests' bucket); `collect` is the step's one wait, reading its sampled
+    tokens. A read inside the launch would stall the host on the device every step (async scheduling builds the next
+    step while the device runs this one). On XLA:CPU a device array's memory is the host's, so JAX's transfer guards
+    let such reads pass; watched instead: the array's host value (`jax.device_get`, `float`, `tolist`, ...), its
+    wait, and numpy's conversions (numpy reads a CPU array through the buffer protocol, past the host value)."""
+    from jax._src.array import ArrayImpl
+
+    d = Driver(exact)
+    d.start("a", _prompt(14, 12))
+    d.step({"a": 12})
+    d.append("a", 5)
+    ran, reads = [], []
+    executable, value, wait = exact.compiler.executable, ArrayImpl._value, ArrayImpl.block_until_ready
+    monkeypatch.setattr(exact.compiler, "executable", lambda key: ran.append(key) or executable(key))
+    monkeypatch.setattr(ArrayImpl, "_value", property(lambda a: reads.append(a.shape) or value.fget(a)))
+    monkeypatch.setattr(ArrayImpl, "block_until_ready", lambda a: reads.append("wait") or wait(a))
+    for name in ("asarray", "array", "asanyarray"):
+        convert = getattr(np, name)
+        monkeypatch.setattr(np, name, lambda a, *args, convert=convert, **kw: (
+            isinstance(a, jax.Array) and reads.append(a.shape)) or convert(a, *args, **kw))
+    r = d.reqs["a"]
+    chunk = SeqChunk(slot=r.slot, block_table=d.bm.block_table("a"), token_ids=r.tokens, start=12, end=13)
+    launched = exact.launch([chunk], [SamplingParams(temperature=0)])
+    assert ran == [Program.SEGMENT1.at(8), Program.SEGMENT2.at(8), Program.SAMPLE.at(exact.compiler.sample_rows[0])]
+    assert reads == []
+    out = exact.collect(launched)
+    assert reads and all(shape[0] == exact.compiler.sample_rows[0] for shape in reads), reads  # the sampled rows
+    monkeypatch.undo()
+    assert out.tokens[0] == int(np.argmax(np.asarray(exact.forward([chunk]))[0]))
+    d.bm.commit("a", r.tokens, 13)
+    d.finish("a")
