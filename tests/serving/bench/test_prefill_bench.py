@@ -148,9 +148,9 @@ def test_decode_steps_run_and_time_each_step():
     from serving.bench.prefill import _keys, _runner, bench_decode
 
     m = dsv41.random_model("tiny", seed=0)
-    args = Namespace(decode_batches=[2], decode_context=24, decode_steps=2, block_size=16, kernel_impl="xla",
+    args = Namespace(decode_batches=[2], decode_context=32, decode_steps=2, block_size=16, kernel_impl="xla",
                      kv_cache_dtype="auto", quiet=True)
     r = _runner(m, args, [32], True)
     r.compiler.precompile(_keys(r, [32], args, decodes=True))
-    seconds, rates = bench_decode(r, 2, 24, 3, m.config.vocab_size)
+    seconds, rates = bench_decode(r, 2, 32, 3, m.config.vocab_size)
     assert len(seconds) == 3 and all(s > 0 for s in seconds) and rates == []
