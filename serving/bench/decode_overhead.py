@@ -12,8 +12,9 @@ The two sides alternate, `--repeats` rounds of bare then served with the server 
 steps run), and the ratio is that of the two medians: this machine's speed drifts by 10-20% over minutes, which
 one bare run followed by one served run mistook for overhead (0.84 to 1.04 on the same code).
 
-`--profile-dir DIR`: a `jax.profiler` trace of the first round's timed parts - the bare steps in this process, the
-served window through the server's `/start_profile` / `/stop_profile` - each in its own session folder.
+`--profile-dir DIR`: a `jax.profiler` trace of the first round - the bare steps in this process (run again after the
+timed ones, `prefill.bench_decode`), the served window through the server's `/start_profile` / `/stop_profile` - each
+in its own session folder.
 
     python -m serving.bench.decode_overhead [--model small] [--batch 32] [--context 256] [--steps 64] [--repeats 3]
 """

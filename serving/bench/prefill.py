@@ -12,8 +12,8 @@ before each decode step a streaming probe, so each run is compared with the rate
 of a shared machine drifts 10-30% within minutes). A prefill's fraction = its FLOPs at the probed matmul rate /
 its time; a decode step's ratio = its time / its weight bytes at the probed streaming rate; medians of the runs.
 `--profile-dir DIR`: a `jax.profiler` trace of each measurement (one session folder each, named after it): each
-prefill mode's runs again after its timed rounds (a trace slows the runs it records), the decode steps' timed runs
-with their probes.
+prefill mode's runs again after its timed rounds (a trace slows the runs it records), and the decode steps again after
+theirs, from the same context, without the probes.
 """
 
 from __future__ import annotations
@@ -112,10 +112,17 @@ def alternate(runs: dict[str, Callable[[int], float]], repeats: int,
 
 def bench_decode(r: Runner, B: int, context: int, steps: int, vocab: int, profile_dir: str | None = None,
                  label: str = "", probes: Sequence[Callable[[], float]] = ()) -> tuple[list[float], list[list[float]]]:
-    """(step seconds, per probe its rates taken right before each step) of `steps` decode steps of B requests."""
+    """(step seconds, per probe its rates taken right before each step) of `steps` decode steps of B requests; with
+    `profile_dir`, the same steps again after the timed ones, traced without the probes (a trace slows the steps it
+    records, and a probe's ops in it would be counted as the step's)."""
     seqs = [[int(t) for t in np.random.default_rng(100 + s).integers(3, vocab, context)] for s in range(B)]
-    for s in range(B):
-        r.forward([slot_chunk(r, s, seqs[s], 0, context, True)])
+
+    def prefill() -> None:
+        for s in range(B):
+            del seqs[s][context:]
+            np.asarray(r.forward([slot_chunk(r, s, seqs[s], 0, context, True)]))
+
+    prefill()
 
     def step() -> float:
         chunks = []
@@ -129,11 +136,15 @@ def bench_decode(r: Runner, B: int, context: int, steps: int, vocab: int, profil
 
     step()  # the first step warms caches and allocators
     times, rates = [], [[] for _ in probes]
-    with profiling(profile_dir, label):
-        for _ in range(steps):
-            for probe, out in zip(probes, rates):
-                out.append(probe())
-            times.append(step())
+    for _ in range(steps):
+        for probe, out in zip(probes, rates):
+            out.append(probe())
+        times.append(step())
+    if profile_dir:
+        prefill()
+        with profiling(profile_dir, label):
+            for _ in range(steps):
+                step()
     return times, rates
 
 

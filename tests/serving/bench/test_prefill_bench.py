@@ -140,11 +140,14 @@ def test_prefill_flops_with_decoder_replay_run_the_layers_after_the_cut_on_the_l
     np.testing.assert_allclose(prefill_flops(c, n) - prefill_flops(c, n, decoder_rows=W), full - kept, rtol=1e-12)
 
 
-def test_decode_steps_run_and_time_each_step():
+def test_decode_steps_run_and_time_each_step(monkeypatch):
     """`bench_decode` prefills the context and times each decode step of B requests (the step's sampled tokens read
-    back), on the buckets `_keys` compiles for it."""
+    back), on the buckets `_keys` compiles for it; a trace records the same steps again, from the same context, after
+    the timed ones and without their probes."""
+    import contextlib
     from argparse import Namespace
 
+    from serving.bench import prefill
     from serving.bench.prefill import _keys, _runner, bench_decode
 
     m = dsv41.random_model("tiny", seed=0)
@@ -154,3 +157,23 @@ def test_decode_steps_run_and_time_each_step():
     r.compiler.precompile(_keys(r, [32], args, decodes=True))
     seconds, rates = bench_decode(r, 2, 32, 3, m.config.vocab_size)
     assert len(seconds) == 3 and all(s > 0 for s in seconds) and rates == []
+
+    traced, events = [False], []
+
+    @contextlib.contextmanager
+    def profiling(folder, label):
+        traced[0] = True
+        yield
+        traced[0] = False
+
+    monkeypatch.setattr(prefill, "profiling", profiling)
+    step = r.step
+    monkeypatch.setattr(r, "step", lambda chunks, params: events.append(("step", traced[0], chunks[0].end))
+                        or step(chunks, params))
+    seconds, (rates,) = bench_decode(r, 2, 32, 3, m.config.vocab_size, "unused", "decode",
+                                     (lambda: events.append(("probe", traced[0])) or 1.0,))
+    assert len(seconds) == 3 and rates == [1.0] * 3
+    warm, timed, traced_steps = [("step", False)], [("probe", False), ("step", False)] * 3, [("step", True)] * 3
+    assert [e[:2] for e in events] == warm + timed + traced_steps
+    ends = [e[2] for e in events if e[0] == "step"]
+    assert ends == [33, 34, 35, 36, 33, 34, 35]  # the context prefilled again for the traced steps
