@@ -1,5 +1,7 @@
 # make setup: .venv with a Python >= 3.12 found on this machine (tools/find_python.sh), project + dev extras.
-# make test:  setup when needed, then the whole suite.
+# make test:  setup when needed, then the suite's first tier (every test not marked slow; tests/README.md).
+# make test-slow: the second tier (subprocess servers, mesh workers, notebooks, more runtime configurations).
+# make test-all: both tiers in one run. CI (.ci/run) runs make test, then make test-slow.
 # make serve: setup when needed, then the OpenAI-compatible server on the built-in nano-austen model
 #             (pass flags with ARGS, e.g. make serve ARGS="--model /path/to/checkpoint --port 9000").
 # make notebooks: setup when needed, then execute every notebooks/*.ipynb
@@ -9,7 +11,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup test serve notebooks strip-notebooks oracle-fixtures clean
+.PHONY: setup test test-slow test-all serve notebooks strip-notebooks oracle-fixtures clean
 
 setup: $(STAMP)
 
@@ -21,6 +23,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]' && touch $@
 
 test: $(STAMP)
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow"
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -n 2 --dist loadfile -m slow
+
+test-all: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
 serve: $(STAMP)

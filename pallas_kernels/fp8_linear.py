@@ -27,6 +27,7 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels.common import product_precision
 from pallas_kernels.dispatch import interpret_default, resolve_impl
 from pallas_kernels.expert_weights import decode_tile
+from pallas_kernels.tile_table import KernelChoice, Tiles
 
 MIN_DOT = 16  # Triton's smallest dot dimension
 # auto runs the kernel for at most this many rows: on an H200 it was no faster than XLA's decode + cuBLAS dot at 1 row
@@ -67,7 +68,7 @@ def _pow2_divisor(n: int, cap: int) -> int:
     return b
 
 
-def tiles(O: int, I: int, block: tuple[int, int], block_n: int = 64, block_k: int = 128) -> tuple[int, int] | None:
+def tiles_for(O: int, I: int, block: tuple[int, int], block_n: int = 64, block_k: int = 128) -> tuple[int, int] | None:
     """(output rows, input chunk) per program: powers of two dividing the weight and holding whole scale blocks;
     None when the weight allows none (then `fp8_linear` uses the xla path)."""
     bn = _pow2_divisor(O, max(block_n, block[0]))
@@ -99,7 +100,7 @@ def pallas(x_TI, w_OI, scale, *, block: tuple[int, int], dtype, out_dtype, block
     """The Triton kernel (module docstring); rows padded to `block_m` (16 for decode batches, up to 64)."""
     *lead, I = x_TI.shape
     O = w_OI.shape[0]
-    t = tiles(O, I, block, block_n, block_k)
+    t = tiles_for(O, I, block, block_n, block_k)
     if t is None:
         raise ValueError(f"fp8 linear [{O}, {I}] with {block} blocks has no whole-block power-of-two tile")
     bn, bk = t
@@ -121,14 +122,21 @@ def pallas(x_TI, w_OI, scale, *, block: tuple[int, int], dtype, out_dtype, block
     return y[:T].reshape(*lead, O)
 
 
-def fp8_linear(x_TI, w_OI, scale, *, block: tuple[int, int], dtype, out_dtype=None, impl: str = "auto"):
+def fp8_linear(x_TI, w_OI, scale, *, block: tuple[int, int], dtype, out_dtype=None, impl: str = "auto",
+               choice: KernelChoice | None = None):
     """x [..., I] @ dequant(w [O, I])^T -> [..., O] in `out_dtype` (default `dtype`), through `impl`; the
-    Pallas path falls back to xla for weights without a whole-block tile, and auto takes it only for decode-sized
-    inputs (`AUTO_MAX_ROWS`)."""
+    Pallas path falls back to xla for weights without a whole-block tile. auto takes a tuned `choice` (a device's
+    tile table, `KernelConfig.choice`) where given, else the kernel only for decode-sized inputs
+    (`AUTO_MAX_ROWS`); an explicit "pallas" takes only a choice's tiles."""
     out_dtype = out_dtype or dtype
     rows = math.prod(x_TI.shape[:-1])
+    if impl == "auto" and choice is not None:
+        impl = choice.impl
     impl = resolve_impl(impl if impl != "auto" or rows <= AUTO_MAX_ROWS else "xla")
-    if impl == "pallas" and tiles(*w_OI.shape, tuple(block)) is None:
+    tiles = choice.tiles if choice is not None and choice.impl == "pallas" else Tiles()
+    if impl == "pallas" and tiles_for(*w_OI.shape, tuple(block), tiles.block_n, tiles.block_k) is None:
         impl = "xla"
-    fn = {"reference": reference, "xla": xla, "pallas": pallas}[impl]
+    if impl == "pallas":
+        return pallas(x_TI, w_OI, scale, block=tuple(block), dtype=dtype, out_dtype=out_dtype, **tiles.kwargs())
+    fn = {"reference": reference, "xla": xla}[impl]
     return fn(x_TI, w_OI, scale, block=tuple(block), dtype=dtype, out_dtype=out_dtype)

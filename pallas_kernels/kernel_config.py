@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 from pallas_kernels.dispatch import IMPLS, resolve_impl
 from pallas_kernels.moe_xla import SMALL_STEP_FORMS, SMALL_STEPS
+from pallas_kernels.tile_table import KernelChoice, KernelShape, check_entry, choose
 
 
 class MoeStep(NamedTuple):
@@ -38,11 +39,14 @@ class KernelConfig:
     moe_small_step_form: the XLA path's form for small steps (`moe_xla.is_small_step`) not listed in
     `moe_small_steps`: "rule" (batched, weights right) or one of SMALL_STEP_FORMS.
     moe_small_steps: ((MoeStep, form), ...) the form of each listed small step (e.g. the serving runtime's tuned
-    choices); a dict is accepted and stored as a sorted tuple."""
+    choices); a dict is accepted and stored as a sorted tuple.
+    tuned: ((KernelShape, KernelChoice), ...) a device's stored tile table (`tile_table`): under "auto" on a GPU a
+    listed GEMM runs the implementation and tiles tuned for it."""
 
     impl: str = "auto"
     moe_small_step_form: str = "rule"
     moe_small_steps: tuple[tuple[MoeStep, str], ...] = ()
+    tuned: tuple[tuple[KernelShape, KernelChoice], ...] = ()
 
     def __post_init__(self):
         if self.impl not in IMPLS:
@@ -64,6 +68,18 @@ class KernelConfig:
         if len({s for s, _ in table}) != len(table):
             raise ValueError("moe_small_steps: a step is listed twice")
         object.__setattr__(self, "moe_small_steps", tuple(sorted(table)))
+        tuned = [check_entry(KernelShape(*s), KernelChoice(*c)) for s, c in self.tuned]
+        if len({s for s, _ in tuned}) != len(tuned):
+            raise ValueError("tuned: a kernel shape is listed twice")
+        object.__setattr__(self, "tuned", tuple(sorted(tuned, key=lambda entry: entry[0])))
+
+    def choice(self, call: KernelShape) -> KernelChoice | None:
+        """The tuned choice for a GEMM call (`tile_table.choose`) where the Pallas path is taken (auto on a GPU, or
+        pallas) and a table lists the call's shape; else None (the kernel's own rule). Under "pallas" the dispatch
+        takes only a choice's tiles, never its "xla"."""
+        if not self.tuned or resolve_impl(self.impl) != "pallas":
+            return None
+        return choose(self.tuned, call)
 
     def small_step_form(self, step: MoeStep) -> str:
         """The form `moe_xla.xla` takes for a call of this shape (used only where it is a small step)."""
@@ -72,6 +88,8 @@ class KernelConfig:
     def describe(self) -> str:
         """One line (for a banner): the implementation and the MoE small-step forms."""
         impl = self.impl if self.impl != "auto" else f"auto ({resolve_impl('auto')})"
+        if self.tuned:
+            impl += f", {len(self.tuned)} tuned GEMM shapes"
         if not self.moe_small_steps:
             return f"{impl}; MoE small steps: {self.moe_small_step_form}"
         shapes: dict[str, list[str]] = {}

@@ -38,6 +38,7 @@ from pallas_kernels.common import product_precision
 from pallas_kernels.dispatch import interpret_default, resolve_impl
 from pallas_kernels.expert_weights import QuantizedExperts, decode_tile, reference_dequantize
 from pallas_kernels.moe_xla import check_operands, combine, compute_dtype, group_layout, sorted_rows, swiglu
+from pallas_kernels.tile_table import KernelChoice, Tiles
 
 MIN_DOT = 16  # Triton's smallest dot dimension
 
@@ -163,6 +164,15 @@ def _blocks(name: str, out_dim: int, in_dim: int, fmts: list[_Fmt], block_n: int
     return bn, bk
 
 
+def tiles_for(w1, w3, w2, block_n: int = 64, block_k: int = 128) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The (rows, input chunk) tiles of the gate/up kernel (w1, w3) and the down kernel (w2), for arrays or
+    `QuantizedExperts` (of arrays or shape structs); ValueError naming why a tile cannot hold whole scale blocks or
+    fit Triton."""
+    _, I, D = w1.shape
+    return (_blocks("w1/w3", I, D, [_fmt(w1), _fmt(w3)], block_n, block_k),
+            _blocks("w2", D, I, [_fmt(w2)], block_n, block_k))
+
+
 def pallas(x_TD, ids_TK, weights_TK, w1, w3, w2, *, limit: float, out_dtype=jnp.float32, block_m: int | None = None,
            block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 2,
            interpret: bool | None = None):
@@ -171,7 +181,8 @@ def pallas(x_TD, ids_TK, weights_TK, w1, w3, w2, *, limit: float, out_dtype=jnp.
     quantized weight tiles in registers. Sorting, row gather and the final combine are XLA. Default
     block_m: 16 rows (Triton's smallest dot) for decode batches, up to 64 when experts get many rows (at
     most half the mean rows per expert, so padding stays near a quarter of the rows). block_n x block_k
-    = 64 x 128 keeps two decoded weight tiles within 4 warps' registers (first guesses, not tuned)."""
+    = 64 x 128 keeps two decoded weight tiles within 4 warps' registers (the untuned defaults; a device's tuned
+    tiles come from `serving.bench.autotune` through `routed_experts`' choice)."""
     check_operands(x_TD, ids_TK, weights_TK, w1, w3, w2)
     T, D = x_TD.shape
     k, (E, I) = ids_TK.shape[1], w1.shape[:2]
@@ -181,8 +192,7 @@ def pallas(x_TD, ids_TK, weights_TK, w1, w3, w2, *, limit: float, out_dtype=jnp.
     if bm < MIN_DOT or bm & (bm - 1):
         raise ValueError(f"block_m {bm} must be a power of two >= {MIN_DOT}")
     f1, f3, f2 = _fmt(w1), _fmt(w3), _fmt(w2)
-    bn1, bk1 = _blocks("w1/w3", I, D, [f1, f3], block_n, block_k)
-    bn2, bk2 = _blocks("w2", D, I, [f2], block_n, block_k)
+    (bn1, bk1), (bn2, bk2) = tiles_for(w1, w3, w2, block_n, block_k)
     interpret = interpret_default() if interpret is None else interpret
     params = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
@@ -211,12 +221,17 @@ def pallas(x_TD, ids_TK, weights_TK, w1, w3, w2, *, limit: float, out_dtype=jnp.
 
 # ================================================================================ dispatch
 def routed_experts(x_TD, ids_TK, weights_TK, w1, w3, w2, *, limit: float, out_dtype=jnp.float32,
-                   impl: str = "auto", small_steps: str = "rule"):
+                   impl: str = "auto", small_steps: str = "rule", choice: KernelChoice | None = None):
     """sum_j weights[t, j] * expert_{ids[t, j]}(x_t) [T, D] through the chosen implementation (`small_steps`: the
-    XLA path's form for steps of few rows per expert, see `moe_xla.xla`)."""
+    XLA path's form for steps of few rows per expert, see `moe_xla.xla`; `choice`: a device's tuned implementation
+    and tiles for this shape, taken under auto, its tiles only under "pallas")."""
+    if impl == "auto" and choice is not None:
+        impl = choice.impl
     impl = resolve_impl(impl)
     if impl == "xla":
         return moe_xla.xla(x_TD, ids_TK, weights_TK, w1, w3, w2, limit=limit, out_dtype=out_dtype,
                            small_steps=small_steps)
-    fn = {"reference": reference, "pallas": pallas}[impl]
-    return fn(x_TD, ids_TK, weights_TK, w1, w3, w2, limit=limit, out_dtype=out_dtype)
+    if impl == "reference":
+        return reference(x_TD, ids_TK, weights_TK, w1, w3, w2, limit=limit, out_dtype=out_dtype)
+    tiles = choice.tiles if choice is not None and choice.impl == "pallas" else Tiles()
+    return pallas(x_TD, ids_TK, weights_TK, w1, w3, w2, limit=limit, out_dtype=out_dtype, **tiles.kwargs())

@@ -30,6 +30,7 @@ def test_host_tables_give_the_logits_of_device_tables(tiny_dir):
     np.testing.assert_array_equal(device.with_engram_on_host().logits(ids), device.logits(ids))
 
 
+@pytest.mark.slow
 def test_runtime_with_host_tables_matches_device_tables(tiny_dir):
     rc = RuntimeConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128, block_size=8,
                        token_buckets=(8, 32))

@@ -28,6 +28,7 @@ def test_notebook_is_committed_without_outputs(path):
     assert not found, f"{path.name} holds outputs (run `make strip-notebooks`): " + "; ".join(found)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_runs(path):
     try:

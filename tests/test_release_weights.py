@@ -32,7 +32,8 @@ def _rel_err(a, b):
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
-@pytest.mark.parametrize("preset, dtype", [("tiny", "float32"), ("tiny", "bfloat16"), ("small", "float32")])
+@pytest.mark.parametrize("preset, dtype", [("tiny", "float32"), ("tiny", "bfloat16"),
+                                           pytest.param("small", "float32", marks=pytest.mark.slow)])
 def test_release_formats_give_the_logits_of_dequantize_at_load(preset, dtype, tiny_dir, tmp_path):
     folder = tiny_dir if preset == "tiny" else write_release(tmp_path, preset, seed=3)
     release = dsv41.load(folder, dtype=dtype)
@@ -75,6 +76,7 @@ def test_device_holds_the_checkpoint_bytes_and_no_decoded_copy(tiny_dir):
     assert packed == stored
 
 
+@pytest.mark.slow
 def test_runtime_prefill_with_trimming_and_decode_match_dequantize_at_load(tiny_dir):
     rc = RuntimeConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128, block_size=8,
                        token_buckets=(8, 32), swa_bounded_replay=True)

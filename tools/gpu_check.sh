@@ -2,8 +2,10 @@
 # The prepared run for a lent GPU (an H200), sized for one lease (~13 minutes of steps): the kernels' benchmark,
 # the served step on the full-width slice preset (then a traced run of it, summarised per op), the kernel tests
 # compiled for the device, then async scheduling against one step at a time, then a layer scan's cost (does XLA:GPU
-# copy each layer's weights out of the stack, as XLA:CPU does?), each under its own time limit (KERNEL_BENCH_S,
-# SLICE_S, PROFILE_S, TESTS_S, ASYNC_S, LAYER_SCAN_S), every result under $OUT (default ./gpu_out; at most 8 files)
+# copy each layer's weights out of the stack, as XLA:CPU does?), then the GEMM tiles' autotune (its table, to be
+# committed as pallas_kernels/tuned/<device kind>.json once read), each under its own time limit (KERNEL_BENCH_S,
+# SLICE_S, PROFILE_S, TESTS_S, ASYNC_S, LAYER_SCAN_S, AUTOTUNE_S), every result under $OUT (default ./gpu_out; at
+# most 9 files)
 # as soon as it exists, so a run cut short keeps the steps that finished.
 # First run (2026-12-04): the slice's 13 programs compiled cold in 276 s; from JAX's cache in 31 s.
 # The default limits add up to ~850 s, past one 600 s device call: lower some (e.g. SLICE_S, PROFILE_S) to reach the
@@ -29,12 +31,14 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
     DECODE_BATCHES=1,2 DECODE_TRACED=1,2 TEST_PLATFORM=cpu KERNEL_TESTS=tests/pallas_kernels/test_router.py
     ASYNC_MODEL="--model tiny --batches 2 --steps 4 --repeats 1 --context 32"
     LAYER_SCAN="--model tiny --layers 2 --tokens 8 --repeats 2"
+    AUTOTUNE="--smoke --rows 3 --reps 1"
 else
     KERNEL_SIZES=""
     SLICE_MODEL="--model v41-flash-slice --dtype bfloat16 --lengths 8192 --block-size 256 --decode-context 1024"
     DECODE_BATCHES=1,8,64 DECODE_TRACED=1,64 TEST_PLATFORM=cuda KERNEL_TESTS=tests/pallas_kernels
     ASYNC_MODEL="--model small --batches 8,64 --steps 24 --repeats 3"
     LAYER_SCAN="--layers 3,5 --tokens 8,512"
+    AUTOTUNE="--rows 1,64,4096"
 fi
 
 step "devices and packages"
@@ -108,5 +112,9 @@ echo "rc ${PIPESTATUS[0]}" | tee -a "$OUT/steps.log"
 step "one compiled body per layer structure: G same-structure layers unrolled / scanned / one layer (small, bf16)"
 timeout -k 5 "${LAYER_SCAN_S:-90}" "$PY" -m serving.bench.layer_scan $LAYER_SCAN \
     --out "$WORK/layer_scan.json" 2>&1 | grep -v "freed memory" | tee -a "$OUT/steps.log"
+echo "rc ${PIPESTATUS[0]}" | tee -a "$OUT/steps.log"
+step "tile autotune: the FP8 linears' and MXFP4 experts' Pallas tiles against XLA, each candidate checked first"
+timeout -k 5 "${AUTOTUNE_S:-150}" "$PY" -m serving.bench.autotune $AUTOTUNE --budget-s "${AUTOTUNE_BUDGET_S:-120}" \
+    --out "$OUT/tile_table.json" 2>&1 | tee -a "$OUT/steps.log"
 echo "rc ${PIPESTATUS[0]}" | tee -a "$OUT/steps.log"
 step "done"

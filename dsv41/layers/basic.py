@@ -6,12 +6,15 @@ and return the compute dtype. In float32 mode matmuls use HIGHEST precision so G
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels import fp8_linear
 from pallas_kernels.kernel_config import KernelConfig
+from pallas_kernels.tile_table import KernelShape
 
 
 def matmul_precision(dtype: jnp.dtype) -> jax.lax.Precision:
@@ -82,8 +85,12 @@ class Linear(nnx.Module):
     def __call__(self, x: jax.Array, out_dtype: jnp.dtype | None = None) -> jax.Array:
         if self.scale is None:
             return dense(x, self.weight[...], out_dtype)
-        return fp8_linear.fp8_linear(x, self.weight[...], self.scale[...], block=self.block, dtype=self.dtype,
-                                     out_dtype=out_dtype or self.dtype, impl=self.kernel_impl)
+        w = self.weight[...]
+        call = KernelShape("fp8_linear", math.prod(x.shape[:-1]), w.shape, f"fp8 {self.block[0]}x{self.block[1]}",
+                           self.dtype.name)
+        return fp8_linear.fp8_linear(x, w, self.scale[...], block=self.block, dtype=self.dtype,
+                                     out_dtype=out_dtype or self.dtype, impl=self.kernel_impl,
+                                     choice=self.kernels.choice(call))
 
 
 class RMSNorm(nnx.Module):

@@ -22,6 +22,7 @@ from pallas_kernels.expert_weights import (
 from pallas_kernels.kernel_config import KernelConfig, MoeStep
 from pallas_kernels.moe_gmm import routed_experts
 from pallas_kernels.router import route
+from pallas_kernels.tile_table import KernelShape
 
 
 def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
@@ -129,8 +130,11 @@ class Experts(nnx.Module):
         """sum_j weights[t, j] * expert_{ids[t, j]}(x_t), float32 [T, D]."""
         step = self.small_step(*ids_TK.shape)
         form = self.kernels.moe_small_step_form if step is None else self.kernels.small_step_form(step)
+        w1 = self.w1.get_value()
+        call = KernelShape("moe_gmm", ids_TK.shape[0], w1.shape, self.weight_kind or jnp.dtype(w1.dtype).name,
+                           jnp.dtype(x_TD.dtype).name)
         return routed_experts(x_TD, ids_TK, weights_TK, *self.weights(), limit=self.limit, impl=self.kernels.impl,
-                              small_steps=form)
+                              small_steps=form, choice=self.kernels.choice(call))
 
 
 class SharedExpert(nnx.Module):

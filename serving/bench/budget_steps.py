@@ -42,7 +42,8 @@ def _prefill_seconds(r, budget: int, prompt: list[int], slot: int = 0) -> float:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m serving.bench.budget_steps", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="a checkpoint folder (default: the built-in nano-austen)")
+    ap.add_argument("--model", default=None, help="a checkpoint folder or a preset (random weights; default: the "
+                                                  "built-in nano-austen)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--budgets", default="512,1024")
     ap.add_argument("--prompt-len", type=int, default=2048)
@@ -59,7 +60,8 @@ def main(argv: list[str] | None = None) -> dict:
     from serving.runtime.compiler import enable_compilation_cache
 
     enable_compilation_cache(args.compilation_cache_dir)
-    model = dsv41.load(args.model or nano.NANO_DIR, dtype=args.dtype)
+    model = (dsv41.random_model(args.model, dtype=args.dtype) if args.model in dsv41.PRESETS
+             else dsv41.load(args.model or nano.NANO_DIR, dtype=args.dtype))
     budgets = [int(b) for b in args.budgets.split(",")]
     runners = {b: _runner(model, b) for b in budgets}
     prefill = {b: [] for b in budgets}

@@ -176,14 +176,19 @@ def weight_bytes(w) -> int:
 
 
 def _moe_weights(key, smoke: bool, kind: str) -> tuple:
+    """V4.1-Flash's expert stacks (`moe_weights`; 7 GB), or tiny ones with `smoke`."""
+    return moe_weights(key, *((16, 128, 96) if smoke else (384, 5120, 2304)), kind)
+
+
+def moe_weights(key, E: int, D: int, I: int, kind: str) -> tuple:
     """Random w1, w3 [E, I, D], w2 [E, D, I]: MXFP4 bytes (any e2m1 code) with the UE8M0 scale that makes
-    each weight's std ~ 1/sqrt(fan-in), or bf16 with that std. Made on the device (7 GB at full size)."""
-    E, D, I = (16, 128, 96) if smoke else (384, 5120, 2304)
+    each weight's std ~ 1/sqrt(fan-in), or float (`kind` a dtype name) with that std. Made on the device."""
     out = []
     for i, (O, In) in enumerate(((I, D), (I, D), (D, I))):
         sub = jax.random.fold_in(key, i)
-        if kind == "bf16":
-            out.append((jax.random.normal(sub, (E, O, In), jnp.float32) / np.sqrt(In)).astype(jnp.bfloat16))
+        if kind != "mxfp4":
+            dtype = jnp.bfloat16 if kind == "bf16" else jnp.dtype(kind)
+            out.append((jax.random.normal(sub, (E, O, In), jnp.float32) / np.sqrt(In)).astype(dtype))
             continue
         scale_byte = 127 - int(round(np.log2(2.9 * np.sqrt(In))))  # e2m1 codes have std ~2.9
         out.append(QuantizedExperts(jax.random.bits(sub, (E, O, In // 2), jnp.uint8),
@@ -226,11 +231,17 @@ def _moe_case(rng, name, weights, *, T: int, kind: str, smoke: bool):
                 lambda *a: moe_xla.xla(*a, **kw), by, 2.0 * T * k * 3 * I * D, others)
 
 
+def fp8_weight(key, O: int, I: int, block: tuple[int, int] = (32, 32)) -> tuple[jax.Array, jax.Array]:
+    """Random e4m3 codes [O, I] (positive, below NaN) and the UE8M0 block scales that give outputs of order one."""
+    w = jax.random.bits(key, (O, I), jnp.uint8) & 0x7E
+    s = jnp.full((-(-O // block[0]), -(-I // block[1])), 127 - int(round(np.log2(40 * np.sqrt(I)))), jnp.uint8)
+    return w, s
+
+
 def _fp8_linear_case(rng, name, *, T: int, smoke: bool):
     """wq_b of V4.1-Flash ([H*d, q_lora] = [32768, 1280], FP8 32x32 blocks): fused decode vs XLA's decode + dot."""
     O, I = (256, 128) if smoke else (32768, 1280)
-    w = jax.random.bits(jax.random.key(2), (O, I), jnp.uint8) & 0x7E  # positive e4m3 codes below NaN
-    s = jnp.full((O // 32, I // 32), 127 - int(round(np.log2(40 * np.sqrt(I)))), jnp.uint8)
+    w, s = fp8_weight(jax.random.key(2), O, I)
     x = jnp.asarray(rng.standard_normal((T, I)), jnp.bfloat16)
     kw = dict(block=(32, 32), dtype=jnp.bfloat16, out_dtype=jnp.bfloat16)
     by = O * I * (1 + 1 / 1024) + T * (I + O) * 2

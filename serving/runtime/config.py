@@ -7,6 +7,7 @@ Each field is also a server flag (`serving.engine.args`: the name, `help` and `c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pallas_kernels import IMPLS
 from pallas_kernels.moe_xla import SMALL_STEP_FORMS
@@ -56,6 +57,10 @@ class RuntimeConfig:
     kernel_impl: str = field(default="auto", metadata={
         "choices": IMPLS, "help": "fused-op implementation (pallas_kernels): auto = pallas on a GPU, xla "
                                   "elsewhere; xla or reference is the fallback if a Pallas kernel misbehaves"})
+    kernel_tiles: str = field(default="stored", metadata={
+        "help": "the Pallas GEMMs' tuned implementation and tiles per shape where auto runs Pallas (a GPU): stored = "
+                "the table `python -m serving.bench.autotune` wrote for this device kind (pallas_kernels/tuned/; "
+                "none stored: the kernels' own rules); none = the kernels' own rules; or a table's path"})
     moe_small_steps: str = field(default="tune", metadata={
         "choices": MOE_SMALL_STEPS, "help": "routed experts of steps with few rows per expert (decode) on the XLA "
                                             "path (CPU), float experts: tune = the fastest form on this machine among "
@@ -76,6 +81,8 @@ class RuntimeConfig:
                               ("moe_small_steps", MOE_SMALL_STEPS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.kernel_tiles not in ("stored", "none") and not Path(self.kernel_tiles).is_file():
+            raise ValueError(f"kernel_tiles must be stored, none or a tile table's path; no file {self.kernel_tiles!r}")
         if self.token_buckets is not None and (not self.token_buckets or min(self.token_buckets) < 1
                                                or max(self.token_buckets) < self.max_num_batched_tokens):
             raise ValueError(f"token_buckets {self.token_buckets} must be positive and reach "

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
-from pallas_kernels import moe_xla
+from pallas_kernels import moe_xla, tile_table
 from pallas_kernels.dispatch import resolve_impl
 from pallas_kernels.kernel_config import KernelConfig, MoeStep
 from pallas_kernels.moe_xla import SMALL_STEP_FORMS
@@ -36,12 +36,14 @@ ROUNDS = 7  # timed runs of each form (after one warm-up run); the median decide
 
 
 def runtime_kernels(rc) -> tuple[KernelConfig, bool]:
-    """A runner's kernels from its `RuntimeConfig` (`kernel_impl`, `moe_small_steps`), and whether its buckets' small
-    steps are tuned: with "tune", on the XLA path (the one that reads the forms); else every small step takes the
-    rule or the one form named."""
+    """A runner's kernels from its `RuntimeConfig` (`kernel_impl`, `kernel_tiles`: a device's tile table where the
+    Pallas path runs; `moe_small_steps`), and whether its buckets' small steps are tuned: with "tune", on the XLA
+    path (the one that reads the forms); else every small step takes the rule or the one form named."""
     fixed = "rule" if rc.moe_small_steps == "tune" else rc.moe_small_steps
-    return KernelConfig(rc.kernel_impl, moe_small_step_form=fixed), (rc.moe_small_steps == "tune"
-                                                                     and resolve_impl(rc.kernel_impl) == "xla")
+    tuned = (tile_table.for_runtime(rc.kernel_tiles, jax.devices()[0].device_kind)
+             if resolve_impl(rc.kernel_impl) == "pallas" else ())
+    return (KernelConfig(rc.kernel_impl, moe_small_step_form=fixed, tuned=tuned),
+            rc.moe_small_steps == "tune" and resolve_impl(rc.kernel_impl) == "xla")
 
 
 def bucket_kernels(base: KernelConfig, module, *, rows=(), draft_rows=(), tuned: dict[MoeStep, str],

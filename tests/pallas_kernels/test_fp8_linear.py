@@ -40,7 +40,7 @@ def test_partial_blocks_take_the_xla_path():
     rng, _ = seeded_rng()
     w, s = _weight(rng, 40, 48, (32, 32))  # 40 rows: no power-of-two tile of whole blocks
     x = jnp.asarray(rng.standard_normal((3, 48)), jnp.float32)
-    assert fp8_linear.tiles(40, 48, (32, 32)) is None
+    assert fp8_linear.tiles_for(40, 48, (32, 32)) is None
     got = fp8_linear.fp8_linear(x, w, s, block=(32, 32), dtype=jnp.float32, impl="pallas")
     np.testing.assert_array_equal(got, fp8_linear.reference(x, w, s, block=(32, 32), dtype=jnp.float32,
                                                             out_dtype=jnp.float32))

@@ -107,6 +107,7 @@ def _served(model, impl: str, prompt: list[int], decode: int) -> tuple[np.ndarra
     return np.stack(out), r
 
 
+@pytest.mark.slow
 def test_runtime_logits_agree_across_impls_and_segments_hold_the_kernel(tiny):
     rng, msg = seeded_rng()
     prompt = [int(t) for t in rng.integers(3, 500, 13)]

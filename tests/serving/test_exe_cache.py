@@ -82,6 +82,7 @@ def test_restart_loads_every_program_without_tracing(tmp_path):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow
 def test_a_mesh_runner_restarts_from_its_programs(tmp_path):
     """The same on a data-parallel 2 x tensor-parallel 2 mesh: its programs carry their shardings and load onto
     the mesh's devices, without tracing, and step bit for bit as the first start."""

@@ -33,6 +33,8 @@ import dsv41
 from serving.bench.server_process import REPO_ROOT, free_port
 from tests.conftest import CALLER_XLA_FLAGS, HANG_TIMEOUT_S, TEST_XLA_FLAGS, XLA_CACHE
 
+pytestmark = pytest.mark.slow  # the second tier (`make test-slow`; tests/README.md)
+
 # One token bucket (a decode pads to it): 3 programs per server. Prompts past 16 tokens are chunked prefills. Where
 # a chunk ends depends on what else shares the step's 16 tokens, i.e. on the streams' arrival times, and bounded
 # replay's decoder trimming depends on where chunks end; with it off every schedule computes the same rows.

@@ -27,7 +27,7 @@ FULL = ["--model", "small", "--served-model-name", "m", "--dtype", "bfloat16", "
         "--max-num-seqs", "16", "--max-num-batched-tokens", "256", "--max-model-len", "2048", "--block-size", "16",
         "--kv-cache-dtype", "release", "--kv-cache-memory", "1000000", "--no-swa-bounded-replay", "--tile", "4",
         "--fake-quant", "--max-top-k", "64", "--seed", "7", "--token-buckets", "8,16,256", "--kernel-impl", "xla",
-        "--moe-small-steps", "tiles",
+        "--moe-small-steps", "tiles", "--kernel-tiles", "none",
         "--speculative-config", '{"method": "dspark", "num_speculative_tokens": 2}',
         "--long-prefill-token-threshold", "64", "--bucket-fit-min-tokens", "512", "--max-queued-requests", "10",
         "--scheduling-policy", "priority",
@@ -52,7 +52,8 @@ def test_a_full_command_line_parses_into_the_sections_and_back():
     assert got.engine == EngineArgs.of(
         max_num_seqs=16, max_num_batched_tokens=256, max_model_len=2048, block_size=16, kv_cache_dtype="release",
         kv_cache_memory=1000000, swa_bounded_replay=False, tile=4, fake_quant=True, max_top_k=64, seed=7,
-        token_buckets=(8, 16, 256), kernel_impl="xla", moe_small_steps="tiles", long_prefill_token_threshold=64,
+        token_buckets=(8, 16, 256), kernel_impl="xla", moe_small_steps="tiles", kernel_tiles="none",
+        long_prefill_token_threshold=64,
         bucket_fit_min_tokens=512, max_queued_requests=10,
         speculative_config='{"method": "dspark", "num_speculative_tokens": 2}',
         scheduling_policy="priority", enable_prefix_caching=False, async_scheduling=False, dp_routing_policy="load",

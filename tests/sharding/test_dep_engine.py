@@ -21,6 +21,8 @@ from serving.engine.engine import Engine
 from tests.conftest import HANG_TIMEOUT_S, XLA_CACHE, xla_env
 from tests.sharding.dep_engine_worker import INTERVAL
 
+pytestmark = pytest.mark.slow  # the second tier (`make test-slow`; tests/README.md)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

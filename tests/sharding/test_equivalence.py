@@ -13,6 +13,8 @@ import pytest
 
 from tests.sharding.equivalence_worker import run as _worker
 
+pytestmark = pytest.mark.slow  # the second tier (`make test-slow`; tests/README.md)
+
 TOL = 1e-5
 
 

@@ -1,6 +1,10 @@
 """small's sharded prefill against the single-device model (the tiny layouts: test_equivalence.py)."""
 
+import pytest
+
 from tests.sharding.equivalence_worker import run
+
+pytestmark = pytest.mark.slow  # the second tier (`make test-slow`; tests/README.md)
 
 
 def test_small_prefill():

@@ -14,6 +14,8 @@ from dsv41.init import random_params
 from dsv41.safetensors_io import open_checkpoint
 from dsv41.train.export import export, export_drafter, main
 
+pytestmark = pytest.mark.slow  # the second tier (`make test-slow`; tests/README.md)
+
 
 def _fake_run(tmp_path):
     """A finished run's folder (random nano weights standing in for trained ones) and a prepared corpus."""

@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # the second tier (`make test-slow`; tests/README.md)
+
 pytest.importorskip("optax", reason="training needs the train extra: pip install -e '.[train]'")
 
 from dsv41.config import ModelConfig

@@ -15,6 +15,8 @@ import pytest
 from serving.model_source import DEFAULT_NAME
 from tests.serving.server_process import running_server
 
+pytestmark = pytest.mark.slow  # the second tier (`make test-slow`; tests/README.md)
+
 KEY = "agent-key"
 M = DEFAULT_NAME
 # long enough that a session's shared prefix outlasts the replay window a prefix hit recomputes (nano: 128)

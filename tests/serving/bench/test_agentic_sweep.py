@@ -9,6 +9,8 @@ import pytest
 from serving.bench import agentic
 from tests.conftest import XLA_CACHE
 
+pytestmark = pytest.mark.slow  # the second tier (`make test-slow`; tests/README.md)
+
 # test_server.py's runtime flags: the same compiled steps, so a warm cache serves both
 SERVER_ARGS = ("--max-num-seqs 8 --max-num-batched-tokens 64 --token-buckets 8,16,32,64 --disable-access-log "
                f"--compilation-cache-dir {XLA_CACHE}")

@@ -1,6 +1,10 @@
 """The bucket-padding benchmark times a step on each bucket that holds it, and only those."""
 
+import pytest
+
 from serving.bench.bucket_padding import build_parser, format_table, measure
+
+pytestmark = pytest.mark.slow  # the second tier (`make test-slow`; tests/README.md)
 
 
 def test_each_step_is_timed_on_every_bucket_that_holds_it():

@@ -140,6 +140,7 @@ def test_prefill_flops_with_decoder_replay_run_the_layers_after_the_cut_on_the_l
     np.testing.assert_allclose(prefill_flops(c, n) - prefill_flops(c, n, decoder_rows=W), full - kept, rtol=1e-12)
 
 
+@pytest.mark.slow
 def test_decode_steps_run_and_time_each_step(monkeypatch):
     """`bench_decode` prefills the context and times each decode step of B requests (the step's sampled tokens read
     back), on the buckets `_keys` compiles for it; a trace records the same steps again, from the same context, after

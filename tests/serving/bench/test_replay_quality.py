@@ -11,6 +11,8 @@ from scipy.special import log_softmax
 import dsv41
 from serving.bench import replay_quality as rq
 
+pytestmark = pytest.mark.slow  # the second tier (`make test-slow`; tests/README.md)
+
 L, S = 96, 16  # tiny: window 8, 8 layers; an exact-halo hit must exceed 8 * 7 = 56 tokens
 
 

@@ -57,7 +57,8 @@ def _metric(engine, name):
     raise AssertionError(f"{name} not exported")
 
 
-@pytest.mark.parametrize("replay", [False, True], ids=["replay-off", "bounded-replay"])
+@pytest.mark.parametrize("replay", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["replay-off", "bounded-replay"])
 def test_greedy_speculative_equals_plain_alone_batched_preempted(engines, replay):
     plain, spec = engines(replay), engines(replay, SPEC)
     prompts = [_prompt(s) for s in range(3)]
