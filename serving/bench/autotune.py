@@ -1,18 +1,18 @@
 """`python -m serving.bench.autotune`: tune the Pallas GEMMs' tiles on this device and store the table `auto` reads.
 
     python -m serving.bench.autotune [--model v41-flash] [--rows 1,8,64,512,4096] [--kernels fp8_linear,moe_gmm] \
-        [--budget-s 300] [--out pallas_kernels/tuned/<device kind>.json] [--smoke]
+        [--budget-s 300] [--out FILE] [--smoke]
 
-For every GEMM shape of the model in its release formats (the FP8 linears, the MXFP4 routed experts;
-`gemm_shapes`) and every row count, candidate launch shapes (block sizes that divide the weight and hold whole scale
-blocks, warps, pipeline stages; searched one axis at a time from the kernel's untuned default, `tune_one`) are run
-and checked against the kernel's reference on the same inputs (`serving.bench.kernels.compare`: a candidate whose
-relative error exceeds `--tolerance` is rejected and never chosen); the passing ones and the XLA path are timed
-(`CALLS` jitted calls queued and waited for together, medians). The entry keeps the fastest: Pallas with its
-tiles, or "xla" where XLA's path is faster, with every candidate's seconds and error. The table
+For every GEMM shape of the model in its release formats (the FP8 linears, the MXFP4 routed experts; `gemm_shapes`,
+as one device's model holds them) and every row count, candidate launch shapes (block sizes that divide the weight
+and hold whole scale blocks, warps, pipeline stages; searched one axis at a time from the kernel's untuned default,
+`tune_one`) are run and checked against the kernel's reference on the same inputs (`serving.bench.kernels.compare`: a
+candidate whose relative error exceeds `--tolerance` is rejected and never chosen); the passing ones and the XLA path
+are timed (`CALLS` jitted calls queued and waited for together, medians). The entry keeps the fastest: Pallas with
+its tiles, or "xla" where XLA's path is faster, with every candidate's seconds and error. The table
 (`pallas_kernels.tile_table`) is rewritten after each shape, so a run cut short by `--budget-s` (checked between
-candidates; the defaults and XLA are always timed) keeps what it measured. The serving runtime loads the table of
-its device kind by default (`RuntimeConfig.kernel_tiles`); nothing is timed while serving.
+candidates; the defaults and XLA are always timed) keeps what it measured. The serving runtime loads the table of its
+device kind by default (`RuntimeConfig.kernel_tiles`); nothing is timed while serving.
 
 Off a GPU the kernels run interpreted: `--smoke` (tiny shapes, few candidates) checks every candidate's output and
 writes a table whose timings mean nothing (its device kind is the CPU's, which no runtime loads on a CPU).
@@ -58,7 +58,8 @@ class GemmShape:
 
 
 def gemm_shapes(config, dtype, kernels: tuple[str, ...] = tile_table.KERNELS) -> list[GemmShape]:
-    """The distinct Pallas GEMM shapes of `config`'s model in its release formats, as its layers key them."""
+    """The distinct Pallas GEMM shapes of `config`'s model in its release formats, as its layers key them on one
+    device."""
     from dsv41 import checkpoint, weight_formats
     from dsv41.api import abstract_params
     from dsv41.layers.basic import Linear
@@ -208,11 +209,16 @@ def tune_one(g: GemmShape, rows: int, dtype, *, smoke: bool, reps: int, toleranc
 
 def run(shapes: list[GemmShape], rows: tuple[int, ...], dtype, *, smoke: bool, reps: int, tolerance: float,
         budget_s: float, out: Path | None, kernel_for=None) -> dict:
-    """Every shape at every row count (each shape's share of the budget), the table written after each entry."""
+    """Every shape at every row count (each shape's share of the budget), the table written after each entry. The
+    entries of a table already at `out` for this device kind stay where this run tunes other shapes (another
+    layout's shards, another model), and give way where it tunes the same ones."""
     device = jax.devices()[0]
     meta = {"backend": jax.default_backend(), "jax": jax.__version__, "dtype": jnp.dtype(dtype).name,
             "interpreted": jax.default_backend() != "gpu", "tolerance": tolerance, "budget_s": budget_s}
-    entries, start = [], time.monotonic()
+    start, entries = time.monotonic(), []
+    tuned_now = {g.key(r, jnp.dtype(dtype).name) for g in shapes for r in rows}
+    kept = [e for e in _stored_entries(out, device.device_kind)
+            if tile_table.KernelShape(**{**e["shape"], "dims": tuple(e["shape"]["dims"])}) not in tuned_now]
     jobs = [(g, r) for g in shapes for r in rows]
     for n, (g, r) in enumerate(jobs):
         deadline = start + budget_s * (n + 1) / len(jobs)
@@ -223,11 +229,19 @@ def run(shapes: list[GemmShape], rows: tuple[int, ...], dtype, *, smoke: bool, r
               f"xla {entry['xla_s'] * 1e6:9.1f} us, best pallas "
               + (f"{entry['pallas_s'] * 1e6:9.1f} us" if entry["pallas_s"] else "      n/a")
               + f" ({entry['candidates']} tried, {entry['rejected']} rejected)", flush=True)
-        doc = tile_table.to_json(device.device_kind, entries, meta)
+        doc = tile_table.to_json(device.device_kind, kept + entries, meta)
         if out is not None:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(doc, indent=1))
-    return tile_table.to_json(device.device_kind, entries, {**meta, "seconds": time.monotonic() - start})
+    return tile_table.to_json(device.device_kind, kept + entries, {**meta, "seconds": time.monotonic() - start})
+
+
+def _stored_entries(out: Path | None, device_kind: str) -> list[dict]:
+    """The entries of the table at `out` when it is one of this device kind (checked by `tile_table.read`)."""
+    if out is None or not out.exists():
+        return []
+    tile_table.read(out, device_kind)  # a table of another kind or a bad one: refused here, naming the file
+    return json.loads(out.read_text())["entries"]
 
 
 def main(argv: list[str] | None = None) -> dict:

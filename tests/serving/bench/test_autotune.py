@@ -55,6 +55,17 @@ def test_the_written_table_reads_back_as_the_runtime_would(tmp_path):
         assert shape == FP8.key(shape.rows, "float32") and choice.impl == written["choice"]["impl"]
 
 
+def test_a_rerun_keeps_the_entries_it_does_not_tune_again(tmp_path):
+    out = tmp_path / "table.json"
+    kw = dict(smoke=True, reps=1, tolerance=autotune.TOLERANCE, budget_s=600, out=out)
+    autotune.run([FP8], (2, 16), jnp.float32, **kw)
+    doc = autotune.run([MOE], (4,), jnp.float32, **kw)  # another shape: the first run's entries stay
+    rows = lambda: sorted((s.kernel, s.rows) for s, _ in tile_table.read(out, jax.devices()[0].device_kind))
+    assert rows() == [("fp8_linear", 2), ("fp8_linear", 16), ("moe_gmm", 4)] and len(doc["entries"]) == 3
+    autotune.run([FP8], (16,), jnp.float32, **kw)  # the same shape again: replaced, not listed twice
+    assert rows() == [("fp8_linear", 2), ("fp8_linear", 16), ("moe_gmm", 4)]
+
+
 def test_the_model_shapes_are_keyed_as_its_layers_key_them():
     shapes = autotune.gemm_shapes(dsv41.load_config("v41-flash"), jnp.bfloat16)
     families = {(g.kernel, g.dims, g.weights) for g in shapes}
