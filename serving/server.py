@@ -117,6 +117,9 @@ def main(argv: list[str] | None = None) -> None:
     _say(f"replay: {engine.runner.replay_summary()}")
     _say(f"kernels: {engine.runner.compiler.describe_kernels()}")
     _say(f"scheduling: {engine.scheduling_summary()}")
+    if engine.warm_up_s:
+        _say(f"warm-up: each program ready so far run once in {engine.warm_up_s:.1f}s (XLA:CPU builds a program's "
+             "dot kernels at its first run)")
     if (counts := engine.runner.compiler.cache_counts_at_ready) is not None:
         _say(f"executable cache: {counts[0]} programs loaded, {counts[1]} compiled "
              f"({engine.runner.compiler.exe_cache.folder})")

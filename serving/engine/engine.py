@@ -96,6 +96,7 @@ class Engine:
         self.runner = Runner(model, args.runtime, progress=progress, placement=placement,
                              expert_counts=args.eplb.enable_eplb, executable_cache=executable_cache)
         self.runner.compiler.precompile(background=background_compile)
+        self.warm_up_s = self.runner.warm_up()  # seconds: each program compiled so far run once (XLA:CPU)
         self.spec = self.runner.spec
         self.spec_policy = None
         if self.spec:

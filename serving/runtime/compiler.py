@@ -198,9 +198,10 @@ class StepCompiler:
     def precompile(self, keys: Sequence[BucketKey] | None = None, *, background: bool = False) -> float:
         """Compile every bucket (or `keys`), `workers` at a time; returns the seconds spent. `background`: compile
         only the essential keys now and the others in a daemon thread: on an accelerator `workers` at a time,
-        smallest first (decode steps gain most); on a CPU backend one at a time (two threads, or one at the lowest
-        CPU priority, took longer beside a busy serving loop: docs/design/measurements.md), each when `gate` lets
-        it, those in the executable cache loaded first. Until a step's own bucket is ready it runs padded to the
+        smallest first (decode steps gain most); on a CPU backend those the executable cache holds are loaded before
+        this returns (so `Runner.warm_up` runs them before ready), the others compiled one at a time (two threads,
+        or one at the lowest CPU priority, took longer beside a busy serving loop: docs/design/measurements.md),
+        each when `gate` lets it. Until a step's own bucket is ready it runs padded to the
         smallest compiled one that fits (`background_done` tells when all are). A key outside `bucket_keys()` is
         refused: no step would ever run it."""
         known = self.bucket_keys()
@@ -217,6 +218,11 @@ class StepCompiler:
         rest = sorted((k for k in keys if k not in now), key=lambda k: (k.size, order.index(k.program)))
         seconds = self._compile_all(now, bar=self.progress)
         self._count_at_ready()
+        if jax.default_backend() == "cpu":  # what the executable cache holds, loaded before ready (`Runner.warm_up`)
+            rest = [k for k in rest if (kernels := self._untimed_kernels(k)) is None or not self._load(k, kernels)]
+            self._note_if_all_compiled()
+            if self.exe_cache is not None:  # loaded before ready too; a lookup that found nothing compiled nothing
+                self.cache_counts_at_ready = (self.exe_cache.hits, self.cache_counts_at_ready[1])
         self.gate.start()
         self._background = threading.Thread(target=self._compile_rest, args=(rest,), name="precompile", daemon=True)
         self._background.start()

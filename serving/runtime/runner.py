@@ -23,6 +23,7 @@ all in one call. `max_num_seqs`, `max_num_batched_tokens` and the KV memory are 
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import jax
@@ -101,6 +102,34 @@ class Runner:
         take the current one."""
         p = self.placement
         return p.zeros(self.layout.shapes(), cache=True) if p else self.layout.zeros()
+
+    def warm_up(self) -> float:
+        """On XLA:CPU, run every program compiled so far once, before any request: XLA:CPU builds each dot's YNNPACK
+        executable at a program's first run, not at compile or load (docs/benchmarks/startup.md), and that would
+        land on the first steps that use it. The segments run on the example batch (one one-token request in slot 0,
+        block 0) through this runner's own state, which then starts again from zeros; the samplers on zero logits.
+        The seconds it took."""
+        if jax.default_backend() != "cpu" or self.placement:  # one CPU device: a mesh's arrays are laid out apart
+            return 0.0
+        start = time.perf_counter()
+        keys = self.compiler.compiled_keys
+        sizes = {p: sorted(k.size for k in keys if k.program is p) for p in (Program.SEGMENT1, Program.SEGMENT2)}
+        t_sizes, k_sizes = sizes[Program.SEGMENT1], sizes[Program.SEGMENT2]
+        example = SeqChunk(slot=0, block_table=[0], token_ids=[0], start=0, end=1)
+        outs = []
+        for i in range(max(len(t_sizes), len(k_sizes)) if t_sizes and k_sizes else 0):
+            T, K = t_sizes[min(i, len(t_sizes) - 1)], k_sizes[min(i, len(k_sizes) - 1)]
+            outs.append(self._segments(self._builder.build(*self._builder.split([example]), T, K)).logits)
+        for key in (k for k in keys if k.program is Program.SAMPLE):
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.compiler.example_args(key))
+            outs.append(self.compiler.executable(key)(*zeros))
+        jax.block_until_ready(outs)
+        self.cache = None  # dropped before its replacement is allocated
+        self.cache = self.fresh_cache()
+        self.carry_buf = self._zeros(self.compiler.carry_shapes)
+        if self.verify_buf is not None:
+            self.verify_buf = self._zeros(self.compiler.verify_logits_spec)
+        return time.perf_counter() - start
 
     def reload_params(self) -> None:
         """Take the model module's current parameter values (e.g. after an EPLB weight migration) for the next

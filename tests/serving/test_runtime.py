@@ -364,3 +364,23 @@ def test_a_decode_step_reads_the_device_once_and_runs_three_programs(exact, monk
     assert out.tokens[0] == int(np.argmax(np.asarray(exact.forward([chunk]))[0]))
     d.bm.commit("a", r.tokens, 13)
     d.finish("a")
+
+
+def test_warm_up_runs_each_program_once_and_leaves_the_state_fresh(model, monkeypatch):
+    """XLA:CPU builds each dot's YNNPACK executable at a program's first run; `warm_up` makes that first run before
+    any request, on the example batch through the runner's own state, which it then leaves as it was built: the KV
+    cache and carry zeros, and the steps after it exact."""
+    r = compiled_runner(model, **RC, swa_bounded_replay=False)
+    ran = []
+    executable = r.compiler.executable
+    monkeypatch.setattr(r.compiler, "executable", lambda key: ran.append(key) or executable(key))
+    assert r.warm_up() > 0
+    monkeypatch.undo()
+    assert sorted(ran, key=str) == sorted(r.compiler.compiled_keys, key=str)  # each program, once
+    for got, fresh in zip(jax.tree.leaves((r.cache, r.carry_buf)),
+                          jax.tree.leaves((r.fresh_cache(), r._zeros(r.compiler.carry_shapes)))):
+        np.testing.assert_array_equal(got, fresh)
+    d = Driver(r)
+    d.start("a", _prompt(21, 20))
+    got = _run(d, "a", [8, 12], decode=2)
+    assert _max_err(got, full_logits(model, d.reqs["a"].tokens)) < TOL
