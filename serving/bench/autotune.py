@@ -188,14 +188,13 @@ def tune_one(g: GemmShape, rows: int, dtype, *, smoke: bool, reps: int, toleranc
 
     best, best_row = Tiles(), measure(Tiles())
     default_row = best_row
-    for axis, values in axes(rows, smoke).items():
-        for v in values:
-            if time.monotonic() > deadline:
-                break
-            t = best._replace(**{axis: v})
-            row = measure(t)
-            if row and row.get("ok") and (not (best_row or {}).get("ok") or row["seconds"] < best_row["seconds"]):
-                best, best_row = t, row
+    for axis, v in ((axis, v) for axis, values in axes(rows, smoke).items() for v in values):
+        if time.monotonic() > deadline:
+            break
+        t = best._replace(**{axis: v})
+        row = measure(t)
+        if row and row.get("ok") and (not (best_row or {}).get("ok") or row["seconds"] < best_row["seconds"]):
+            best, best_row = t, row
     rows_tried = list(tried.values())
     won = best_row if best_row and best_row.get("ok") else None
     choice = KernelChoice("pallas", best) if won and won["seconds"] < xla_s else KernelChoice("xla")
@@ -210,8 +209,8 @@ def tune_one(g: GemmShape, rows: int, dtype, *, smoke: bool, reps: int, toleranc
 def run(shapes: list[GemmShape], rows: tuple[int, ...], dtype, *, smoke: bool, reps: int, tolerance: float,
         budget_s: float, out: Path | None, kernel_for=None) -> dict:
     """Every shape at every row count (each shape's share of the budget), the table written after each entry. The
-    entries of a table already at `out` for this device kind stay where this run tunes other shapes (another
-    layout's shards, another model), and give way where it tunes the same ones."""
+    entries of a table already at `out` for this device kind stay where this run tunes other shapes (another model,
+    other row counts), and give way where it tunes the same ones."""
     device = jax.devices()[0]
     meta = {"backend": jax.default_backend(), "jax": jax.__version__, "dtype": jnp.dtype(dtype).name,
             "interpreted": jax.default_backend() != "gpu", "tolerance": tolerance, "budget_s": budget_s}
